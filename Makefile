@@ -1,0 +1,34 @@
+PY ?= python3
+VENV ?= .venv
+BIN := $(VENV)/bin
+DEMO_SRC := examples/tiny-mxfp8
+
+.PHONY: install test test-fast demo bench lint clean
+
+# CPU-only setup: torch's CPU build (pip takes the one on this disk), then the package with test extras.
+install: $(BIN)/mxfp8-convert
+$(BIN)/mxfp8-convert: pyproject.toml
+	$(PY) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+	$(BIN)/pip install -q "torch==2.13.0"
+	$(BIN)/pip install -q -e ".[test]"
+	touch $@
+
+test: install
+	$(BIN)/python -m pytest -q
+
+demo: install
+	rm -rf $(DEMO_SRC) $(DEMO_SRC)-trtllm $(DEMO_SRC)-cutlass
+	$(BIN)/python examples/make_demo_model.py $(DEMO_SRC)
+	$(BIN)/mxfp8-convert $(DEMO_SRC) --backend trtllm
+	$(BIN)/mxfp8-convert $(DEMO_SRC) --backend cutlass
+
+bench: install
+	$(BIN)/python benchmarks/bench_layouts.py
+	$(BIN)/python benchmarks/bench_convert.py
+
+lint: install
+	$(BIN)/ruff check mxfp8_convert tests benchmarks examples
+
+clean:
+	rm -rf $(DEMO_SRC) $(DEMO_SRC)-trtllm $(DEMO_SRC)-cutlass bench-data

@@ -1,0 +1,3 @@
+from mxfp8_convert.cli import main
+
+raise SystemExit(main())

@@ -1,0 +1,138 @@
+"""The ``mxfp8-convert`` command line: thin commands over the library API.
+
+``mxfp8-convert MODEL --backend trtllm`` is the ``convert`` command; ``verify`` and ``inspect``
+are subcommands. Exit codes: 0 done, 1 conversion/verification failed, 2 usage error,
+130/143 interrupted.
+"""
+
+from __future__ import annotations
+
+import signal
+import sys
+from typing import Annotated
+
+import typer
+
+from mxfp8_convert import __version__
+from mxfp8_convert.cli._errors import Terminated, handle_errors
+from mxfp8_convert.cli._output import Output, human_bytes, table
+
+EPILOG = """\
+Examples:
+
+  mxfp8-convert ./Llama-3-8B-MXFP8 --backend trtllm -o ./Llama-3-8B-MXFP8-trtllm
+
+  mxfp8-convert org/model-MXFP8 --backend cutlass --dry-run --json
+
+  mxfp8-convert ./model --backend trtllm --on-ineligible keep
+
+Exit codes: 0 done, 1 conversion or verification failed, 2 usage error, 130 interrupted.
+"""
+
+app = typer.Typer(
+    name="mxfp8-convert",
+    help="Lay out MXFP8 checkpoints offline for FlashInfer's mm_mxfp8 (trtllm or cutlass).",
+    epilog=EPILOG,
+    no_args_is_help=True,
+    add_completion=False,
+    rich_markup_mode=None,
+    pretty_exceptions_enable=False,
+)
+
+SUBCOMMANDS = ("convert", "verify", "inspect")
+
+ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Model folder, or Hugging Face Hub repo id (org/name).", show_default=False)]
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
+QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or info on stderr.")]
+DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
+RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).")]
+
+
+def _version(value: bool) -> None:
+    if value:
+        sys.stdout.write(f"mxfp8-convert {__version__}\n")
+        raise typer.Exit(0)
+
+
+@app.callback()
+def _root(
+    version: Annotated[bool, typer.Option("--version", callback=_version, is_eager=True,
+                                          help="Print the version and exit.")] = False,
+) -> None:
+    """Lay out MXFP8 checkpoints offline for FlashInfer's mm_mxfp8 (trtllm or cutlass)."""
+
+
+@app.command("convert", epilog=EPILOG)
+def convert_cmd(
+    model: ModelArg,
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Target layout: trtllm or cutlass.",
+                                         show_default=False)],
+    output: Annotated[str | None, typer.Option("--output", "-o", help="Output folder [default: MODEL-BACKEND beside MODEL].")] = None,
+    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")] = False,
+    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.")] = False,
+    source_format: Annotated[str | None, typer.Option("--source-format", help="Override format detection (see `inspect`).")] = None,
+    on_ineligible: Annotated[str, typer.Option("--on-ineligible", help="error: fail listing tensors the backend cannot take; keep: leave them canonical MXFP8.")] = "error",
+    ignore: Annotated[list[str] | None, typer.Option("--ignore", help="Module name pattern to leave untouched (repeatable).")] = None,
+    revision: RevisionOpt = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Convert MODEL to the layout of --backend and write a checkpoint that says so."""
+    from mxfp8_convert import BACKENDS, convert
+
+    out = Output(as_json=as_json, quiet=quiet)
+    if backend not in BACKENDS:
+        raise typer.BadParameter(f"{backend!r} is not one of: {', '.join(BACKENDS)}", param_hint="--backend")
+    if on_ineligible not in ("error", "keep"):
+        raise typer.BadParameter(f"{on_ineligible!r} is not one of: error, keep", param_hint="--on-ineligible")
+    with handle_errors(out, debug=debug), out.progress() as on_progress:
+        result = convert(model, backend, output, overwrite=overwrite, dry_run=dry_run,
+                         source_format=source_format, on_ineligible=on_ineligible, ignore=ignore,
+                         revision=revision, progress=on_progress)
+    out.result(result.to_dict(), lambda console: _render_convert(console, result))
+
+
+def _render_convert(console, result) -> None:
+    plan = result.plan
+    rows = [[m.name, f"{m.n}x{m.k}", m.action, m.layout + (f" ({m.reason})" if m.reason else "")]
+            for m in plan.modules]
+    if result.dry_run:
+        console.print(table(f"Plan: {plan.format} -> {plan.backend}", ["module", "N x K", "action", "layout"], rows))
+        console.print(table("Shards", ["file", "tensors", "bytes"],
+                            [[s.name, len(s.tensors), human_bytes(s.nbytes)] for s in plan.shards]))
+        console.print(f"Dry run: nothing written. Output would be {result.output}")
+        return
+    d = plan.to_dict()
+    summary = [
+        ["source", f"{result.source} ({plan.format})"],
+        ["output", result.output],
+        ["backend", f"{plan.backend} (weight {plan.marker['weight_layout']}, scale {plan.marker['scale_layout']})"],
+        ["modules", ", ".join(f"{v} {k}" for k, v in d["modules_by_action"].items()) or "none"],
+        ["tensors", str(sum(len(s.tensors) for s in plan.shards))],
+        ["shards", str(len(plan.shards))],
+        ["written", human_bytes(result.bytes_written)],
+        ["time", f"{result.seconds:.2f} s"],
+    ]
+    if plan.kept:
+        summary.append(["kept canonical", ", ".join(plan.kept)])
+    console.print(table("Converted", ["", ""], summary))
+
+
+def _on_sigterm(signum, frame) -> None:
+    raise Terminated()
+
+
+def main(argv: list[str] | None = None) -> int:
+    """Console-script entry point. Without a subcommand, arguments go to ``convert``."""
+    args = list(sys.argv[1:] if argv is None else argv)
+    if args and args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h", "--version"):
+        args.insert(0, "convert")
+    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    try:
+        app(args=args, prog_name="mxfp8-convert", standalone_mode=True)
+    except SystemExit as e:
+        return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    return 0

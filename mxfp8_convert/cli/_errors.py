@@ -1,0 +1,56 @@
+"""Map exceptions to one-line messages and exit codes, most specific first.
+
+Exit codes: 0 success, 1 failed conversion or verification, 2 usage error (Typer's default),
+130 interrupted (SIGINT), 143 terminated (SIGTERM). Exceptions not in the table are bugs and
+keep their traceback.
+"""
+
+from __future__ import annotations
+
+import os
+import traceback
+from collections.abc import Callable
+from contextlib import contextmanager
+
+import typer
+
+from mxfp8_convert.errors import ConvertError
+
+EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
+
+
+class Terminated(Exception):
+    """Raised by the SIGTERM handler so cleanup runs as for Ctrl-C."""
+
+
+def _oserror(e: OSError) -> str:
+    where = f"{e.filename}: " if getattr(e, "filename", None) else ""
+    return f"{where}{e.strerror or e}"
+
+
+#: (exception type, exit code, message function), most specific first
+ERROR_TABLE: list[tuple[type[BaseException], int, Callable[[BaseException], str]]] = [
+    (ConvertError, EXIT_FAILED, lambda e: str(e)),
+    (KeyboardInterrupt, EXIT_SIGINT, lambda e: "interrupted"),
+    (Terminated, EXIT_SIGTERM, lambda e: "terminated"),
+    (MemoryError, EXIT_FAILED, lambda e: "out of memory"),
+    (OSError, EXIT_FAILED, _oserror),
+]
+
+
+@contextmanager
+def handle_errors(out, *, debug: bool = False):
+    """Turn known exceptions into ``Error: ...`` (+ ``Hint: ...``) on stderr and an exit code."""
+    debug = debug or bool(os.environ.get("MXFP8_CONVERT_DEBUG"))
+    try:
+        yield
+    except typer.Exit:
+        raise
+    except BaseException as e:  # noqa: BLE001 - the table decides; unknown ones re-raise
+        for kind, code, message in ERROR_TABLE:
+            if isinstance(e, kind):
+                if debug:
+                    traceback.print_exc()
+                out.error(message(e), getattr(e, "hint", None))
+                raise typer.Exit(code) from None
+        raise

@@ -1,0 +1,60 @@
+"""P32 row shuffle of trtllm-gen weights (``flashinfer.shuffle_matrix_a``).
+
+Inside every 32-row block, output row ``p`` is input row ``32*(p//32) + 4*(p%8) + (p%32)//8``
+(SPEC.md section 2; ``get_shuffle_matrix_a_row_indices`` in ``flashinfer/utils.py``, with
+``epilogue_tile_m=128``; any multiple of 128 gives the same permutation). The permutation only
+moves rows within 32-row blocks, so it commutes with slicing rows at multiples of 32.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfp8_convert.errors import LayoutError
+
+P32_BLOCK = 32
+
+
+def _check_rows(x: torch.Tensor) -> int:
+    if x.dim() < 1:
+        raise LayoutError("P32 row shuffle needs a tensor with at least one dimension")
+    n = x.shape[0]
+    if n % P32_BLOCK:
+        raise LayoutError(f"P32 row shuffle needs rows % 32 == 0, got {n} rows")
+    return n
+
+
+def p32_shuffle_rows(x: torch.Tensor) -> torch.Tensor:
+    """Shuffle the rows of ``x`` the way ``shuffle_matrix_a(x, 128)`` does.
+
+    Args:
+        x: ``[N, ...]`` tensor of any dtype, ``N % 32 == 0``.
+
+    Returns:
+        A new contiguous ``[N, ...]`` tensor, same dtype and device.
+
+    Raises:
+        LayoutError: if ``N % 32 != 0``.
+    """
+    n = _check_rows(x)
+    rest = x.shape[1:]
+    return x.reshape(n // 32, 8, 4, -1).transpose(1, 2).reshape(n, *rest).contiguous()
+
+
+def p32_unshuffle_rows(x: torch.Tensor) -> torch.Tensor:
+    """Inverse of :func:`p32_shuffle_rows`: ``[N, ...]`` in, ``[N, ...]`` out."""
+    n = _check_rows(x)
+    rest = x.shape[1:]
+    return x.reshape(n // 32, 4, 8, -1).transpose(1, 2).reshape(n, *rest).contiguous()
+
+
+def p32_row_indices(n: int, device: torch.device | str | None = None) -> torch.Tensor:
+    """``idx[p]`` = the input row that lands at output row ``p`` (int64, ``[n]``).
+
+    ``x[p32_row_indices(N)]`` equals ``p32_shuffle_rows(x)``; kernels use it to map a physical
+    row of a shuffled weight back to its logical output feature.
+    """
+    if n % P32_BLOCK:
+        raise LayoutError(f"P32 row shuffle needs rows % 32 == 0, got {n} rows")
+    p = torch.arange(n, device=device)
+    return 32 * (p // 32) + 4 * (p % 8) + (p % 32) // 8

@@ -1,0 +1,53 @@
+"""trtllm-gen weight-scale layout (``flashinfer.shuffle_matrix_sf_a(s, 128, 32)``).
+
+Linear ``[N, C]`` UE8M0 scales are zero-padded to ``ceil128(N)`` rows (FlashInfer asserts
+rows % 128 == 0; SGLang pads first, sglang PR #28459, for shapes such as the fused MLA
+N = 576), P32-shuffled like the weight rows, then 128x4-swizzled. SPEC.md section 2.
+Because P32 moves rows only inside 32-row blocks, scale row ``p`` belongs to physical
+weight row ``p`` of the shuffled weight.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from mxfp8_convert.layouts._common import as_bytes, ceil_to, pad_2d
+from mxfp8_convert.layouts.rows import p32_shuffle_rows, p32_unshuffle_rows
+from mxfp8_convert.layouts.swizzle import swizzle_128x4, swizzled_128x4_shape, unswizzle_128x4
+
+
+def trtllm_scale_shape(rows: int, cols: int) -> tuple[int, int, int]:
+    """Tile shape of the trtllm weight scale of an ``[rows, cols]`` linear scale.
+
+    Same as the 128x4 shape: ``(ceil128(rows)/128, ceil4(cols)/4, 512)``.
+    """
+    return swizzled_128x4_shape(rows, cols)
+
+
+def trtllm_scale_from_canonical(s: torch.Tensor) -> torch.Tensor:
+    """Lay out linear weight scales for trtllm.
+
+    Args:
+        s: ``[..., N, C]`` 1-byte linear scales, ``N % 32 == 0``.
+
+    Returns:
+        uint8 ``[..., ceil128(N)/128, ceil4(C)/4, 512]``: pad rows to ceil128(N), P32, 128x4.
+    """
+    s = as_bytes(s)
+    *batch, n, c = s.shape
+    s = pad_2d(s, ceil_to(n, 128), c)
+    if batch:  # shuffle each matrix's rows: move the row dim first, then back
+        s = p32_shuffle_rows(s.movedim(-2, 0)).movedim(0, -2)
+    else:
+        s = p32_shuffle_rows(s)
+    return swizzle_128x4(s)
+
+
+def trtllm_scale_to_canonical(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
+    """Inverse of :func:`trtllm_scale_from_canonical`: tiles in, uint8 ``[..., rows, cols]`` out."""
+    s = unswizzle_128x4(t, ceil_to(rows, 128), cols)
+    if s.dim() > 2:
+        s = p32_unshuffle_rows(s.movedim(-2, 0)).movedim(0, -2)
+    else:
+        s = p32_unshuffle_rows(s)
+    return s[..., :rows, :].contiguous()

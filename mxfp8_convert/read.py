@@ -1,0 +1,395 @@
+"""Reading a source checkpoint: local folder or Hub snapshot -> headers + lazy tensor bytes.
+
+Only this module and ``write.py`` touch the disk. Nothing here trusts the input: safetensors
+headers, the index and config are validated before a byte of tensor data is read, paths are
+kept inside the model folder, and pickles are never opened.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from mxfp8_convert.dtypes import ST_DTYPES
+from mxfp8_convert.errors import SourceError
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_NAME = "model.safetensors"
+#: safetensors itself refuses headers over 100 MB; so do we, before allocating anything.
+MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: what a model folder may hold beside its weights that the conversion never needs to read
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+
+
+@dataclass(frozen=True, slots=True)
+class TensorInfo:
+    """Where one tensor's bytes sit: ``nbytes`` bytes at absolute offset ``begin`` of ``file``."""
+
+    name: str
+    dtype: str  # safetensors dtype string, e.g. "F8_E4M3"
+    shape: tuple[int, ...]
+    file: str  # path relative to the model folder
+    begin: int
+    nbytes: int
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "file": self.file}
+
+
+@dataclass(frozen=True, slots=True)
+class ShardHeader:
+    """A parsed, validated safetensors header."""
+
+    relpath: str
+    size: int
+    raw: bytes  # the 8 length bytes + JSON header, as on disk (fingerprinted)
+    metadata: dict[str, str]
+    tensors: dict[str, TensorInfo]
+
+
+@dataclass(frozen=True, slots=True)
+class SourceCheckpoint:
+    """A model folder: its config, shard headers, tensor locations and other files."""
+
+    root: Path
+    config: dict | None
+    config_raw: bytes
+    hf_quant_config: dict | None
+    shards: dict[str, ShardHeader]
+    tensors: dict[str, TensorInfo]
+    indexed: bool  # True when model.safetensors.index.json exists
+    other_files: tuple[str, ...] = field(default=())
+
+    def path(self, relpath: str) -> Path:
+        return self.root / relpath
+
+
+def _fail(path: str, what: str, hint: str | None = None) -> SourceError:
+    return SourceError(f"{path}: {what}", hint=hint)
+
+
+def safe_child(root: Path, rel: str, *, what: str) -> Path:
+    """Return ``root/rel`` if ``rel`` stays inside ``root``, else raise SourceError.
+
+    ``rel`` must be relative with no ``..``; a symlink may point outside the folder only into
+    the blob store of a Hugging Face cache snapshot (``<repo>/snapshots/<rev>`` ->
+    ``<repo>/blobs``), which is how the Hub cache lays files out.
+    """
+    parts = Path(rel).parts
+    if not rel or Path(rel).is_absolute() or ".." in parts or rel.startswith(("/", "\\")):
+        raise SourceError(f"{what} {rel!r} is not a path inside the model folder")
+    p = root / rel
+    real = p.resolve()
+    real_root = root.resolve()
+    if real == real_root or real_root in real.parents:
+        return p
+    blobs = root.resolve().parent.parent / "blobs"
+    if root.parent.name == "snapshots" and blobs in real.parents:
+        return p
+    raise SourceError(f"{what} {rel!r} is a link that leads outside the model folder")
+
+
+def read_header(root: Path, relpath: str) -> ShardHeader:
+    """Parse and validate the header of safetensors file ``root/relpath``.
+
+    Checks: the length prefix fits the file and the 100 MB limit; the header is a JSON object;
+    every entry has a known dtype, a shape of non-negative ints and ``data_offsets`` that match
+    dtype x shape, lie inside the file and neither overlap nor leave holes.
+    """
+    path = safe_child(root, relpath, what="shard")
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                raise _fail(relpath, f"file is {size} bytes, too short to be safetensors")
+            (n,) = struct.unpack("<Q", prefix)
+            if n > MAX_HEADER_BYTES or 8 + n > size:
+                raise _fail(relpath, f"header length {n} points past the end of the {size}-byte file")
+            raw = f.read(n)
+    except FileNotFoundError:
+        raise _fail(relpath, "file not found") from None
+    except IsADirectoryError:
+        raise _fail(relpath, "is a directory, not a safetensors file") from None
+    except PermissionError:
+        raise _fail(relpath, "permission denied") from None
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise _fail(relpath, "header is not valid JSON (truncated or not a safetensors file)") from None
+    if not isinstance(header, dict):
+        raise _fail(relpath, "header is not a JSON object")
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
+    ):
+        raise _fail(relpath, "__metadata__ must map strings to strings")
+    tensors = _parse_entries(relpath, header, data_start=8 + n, size=size)
+    return ShardHeader(relpath=relpath, size=size, raw=prefix + raw, metadata=metadata, tensors=tensors)
+
+
+def _parse_entries(relpath: str, header: dict, *, data_start: int, size: int) -> dict[str, TensorInfo]:
+    tensors: dict[str, TensorInfo] = {}
+    spans = []
+    for name, entry in header.items():
+        if not isinstance(entry, dict):
+            raise _fail(relpath, f"tensor {name!r}: header entry is not an object")
+        dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+        if dtype not in ST_DTYPES:
+            raise _fail(relpath, f"tensor {name!r}: unknown dtype {dtype!r}")
+        if not isinstance(shape, list) or not all(
+            type(d) is int and 0 <= d < 2**48 for d in shape
+        ):
+            raise _fail(relpath, f"tensor {name!r}: invalid shape {shape!r}")
+        if (
+            not isinstance(offsets, list)
+            or len(offsets) != 2
+            or not all(type(o) is int and o >= 0 for o in offsets)
+            or offsets[0] > offsets[1]
+        ):
+            raise _fail(relpath, f"tensor {name!r}: invalid data_offsets {offsets!r}")
+        nbytes = math.prod(shape) * ST_DTYPES[dtype][1]
+        if offsets[1] - offsets[0] != nbytes:
+            raise _fail(
+                relpath,
+                f"tensor {name!r}: data_offsets span {offsets[1] - offsets[0]} bytes but "
+                f"{dtype} {shape} needs {nbytes}",
+            )
+        if data_start + offsets[1] > size:
+            raise _fail(
+                relpath,
+                f"tensor {name!r}: data ends at byte {data_start + offsets[1]} past the end of "
+                f"the {size}-byte file (truncated?)",
+            )
+        spans.append((offsets[0], offsets[1], name))
+        tensors[name] = TensorInfo(name, dtype, tuple(shape), relpath, data_start + offsets[0], nbytes)
+    spans.sort()
+    pos = 0
+    for begin, end, name in spans:
+        if begin != pos:
+            what = "overlaps the previous tensor" if begin < pos else "leaves a hole before it"
+            raise _fail(relpath, f"tensor {name!r}: data_offsets {what}")
+        pos = end
+    return tensors
+
+
+def _load_json(root: Path, rel: str, *, required: bool = False) -> tuple[object | None, bytes]:
+    p = root / rel
+    if not p.exists():
+        if required:
+            raise SourceError(f"{rel}: file not found")
+        return None, b""
+    safe_child(root, rel, what="file")
+    try:
+        raw = p.read_bytes()
+        if len(raw) > MAX_HEADER_BYTES:
+            raise SourceError(f"{rel}: {len(raw)} bytes is too large for a JSON config")
+        return json.loads(raw.decode("utf-8")), raw
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
+        raise SourceError(f"{rel}: not valid JSON") from None
+
+
+def _shard_names(root: Path) -> tuple[list[str], dict | None]:
+    index, _ = _load_json(root, INDEX_NAME)
+    if index is not None:
+        wm = index.get("weight_map") if isinstance(index, dict) else None
+        if not isinstance(wm, dict) or not wm or not all(
+            isinstance(k, str) and isinstance(v, str) for k, v in wm.items()
+        ):
+            raise SourceError(f"{INDEX_NAME}: 'weight_map' must be a non-empty object of name -> file")
+        return sorted(set(wm.values())), wm
+    if (root / SINGLE_NAME).exists():
+        return [SINGLE_NAME], None
+    shards = sorted(p.name for p in root.glob("*.safetensors"))
+    if shards:
+        return shards, None
+    pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+    if pickles:
+        raise SourceError(
+            f"{root}: only pickle weights ({pickles[0]}{', ...' if len(pickles) > 1 else ''}); "
+            "safetensors is required",
+            hint="convert the checkpoint to safetensors first; pickles are never opened",
+        )
+    raise SourceError(f"{root}: no model.safetensors, shards or {INDEX_NAME} found")
+
+
+def open_checkpoint(root: str | os.PathLike) -> SourceCheckpoint:
+    """Read and validate everything but tensor data: config, index, every shard header.
+
+    Raises:
+        SourceError: missing folder or files, malformed JSON or headers, index naming missing
+            shards or tensors, a tensor in two shards, paths leaving the folder.
+    """
+    root = Path(root)
+    if not root.is_dir():
+        raise SourceError(f"{root}: not a folder", hint="pass a model folder or a Hub repo id")
+    config, config_raw = _load_json(root, "config.json")
+    if config is not None and not isinstance(config, dict):
+        raise SourceError("config.json: not a JSON object")
+    hfq, _ = _load_json(root, "hf_quant_config.json")
+    names, weight_map = _shard_names(root)
+    shards = {rel: read_header(root, rel) for rel in names}
+    tensors: dict[str, TensorInfo] = {}
+    for rel, sh in shards.items():
+        for name, info in sh.tensors.items():
+            if name in tensors:
+                raise SourceError(f"tensor {name!r} is stored twice: in {tensors[name].file} and {rel}")
+            tensors[name] = info
+    if weight_map is not None:
+        _check_weight_map(weight_map, tensors)
+    return SourceCheckpoint(
+        root=root,
+        config=config,
+        config_raw=config_raw,
+        hf_quant_config=hfq if isinstance(hfq, dict) else None,
+        shards=shards,
+        tensors=tensors,
+        indexed=weight_map is not None,
+        other_files=tuple(_other_files(root, set(shards))),
+    )
+
+
+def _check_weight_map(weight_map: dict[str, str], tensors: dict[str, TensorInfo]) -> None:
+    for name, rel in weight_map.items():
+        info = tensors.get(name)
+        if info is None:
+            raise SourceError(f"{INDEX_NAME}: tensor {name!r} is not in {rel}")
+        if info.file != rel:
+            raise SourceError(f"{INDEX_NAME}: tensor {name!r} is listed in {rel} but stored in {info.file}")
+    missing = sorted(set(tensors) - set(weight_map))
+    if missing:
+        raise SourceError(f"{INDEX_NAME}: tensor {missing[0]!r} of {tensors[missing[0]].file} is not in weight_map")
+
+
+#: files and folders of a model folder that are never copied to the output
+_NOT_COPIED = {INDEX_NAME, "config.json", "hf_quant_config.json", ".cache", ".git", "mxfp8_convert.complete.json"}
+
+
+def _other_files(root: Path, shards: set[str]) -> Iterator[str]:
+    """Files to copy byte for byte: everything but shards, index, configs we rewrite, pickles."""
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root)
+        dirnames[:] = sorted(d for d in dirnames if d not in _NOT_COPIED and not d.startswith(".mxfp8"))
+        for fn in sorted(filenames):
+            rel = str(rel_dir / fn) if str(rel_dir) != "." else fn
+            if rel in shards or rel in _NOT_COPIED or fn.endswith(PICKLE_SUFFIXES):
+                continue
+            if fn.endswith(".safetensors"):
+                continue  # a stray shard not in the index: never part of the model
+            yield rel
+
+
+def read_into(ckpt_root: Path, info: TensorInfo, out: torch.Tensor, offset: int = 0) -> torch.Tensor:
+    """Fill uint8 tensor ``out`` with ``out.numel()`` bytes of ``info`` starting at ``offset``."""
+    n = out.numel()
+    if offset + n > info.nbytes:
+        raise SourceError(f"{info.file}: read past the end of tensor {info.name!r}")
+    with open(ckpt_root / info.file, "rb") as f:
+        f.seek(info.begin + offset)
+        got = f.readinto(memoryview(out.numpy()).cast("B"))
+    if got != n:
+        raise SourceError(f"{info.file}: file ended inside tensor {info.name!r} (truncated?)")
+    return out
+
+
+def read_tensor(ckpt_root: Path, info: TensorInfo) -> torch.Tensor:
+    """The whole tensor, as a new CPU tensor of its own dtype and shape."""
+    buf = torch.empty(info.nbytes, dtype=torch.uint8)
+    read_into(ckpt_root, info, buf)
+    return buf.view(ST_DTYPES[info.dtype][0]).reshape(info.shape)
+
+
+def iter_chunks(
+    ckpt_root: Path, info: TensorInfo, *, granule: int, chunk_bytes: int = 64 << 20
+) -> Iterator[torch.Tensor]:
+    """Yield the tensor's bytes as uint8 tensors of a multiple of ``granule`` bytes each.
+
+    One open file and one reused buffer: memory stays at ``chunk_bytes`` whatever the tensor.
+    """
+    step = max(granule, chunk_bytes // granule * granule)
+    buf = torch.empty(min(step, info.nbytes), dtype=torch.uint8)
+    mv = memoryview(buf.numpy()).cast("B")
+    with open(ckpt_root / info.file, "rb") as f:
+        f.seek(info.begin)
+        done = 0
+        while done < info.nbytes:
+            n = min(step, info.nbytes - done)
+            got = f.readinto(mv[:n])
+            if got != n:
+                raise SourceError(f"{info.file}: file ended inside tensor {info.name!r} (truncated?)")
+            yield buf[:n]
+            done += n
+
+
+#: what a conversion needs from a Hub repo: weights, configs, tokenizer and other small files
+HUB_ALLOW_PATTERNS = [
+    "*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.py", "*.md", "*.jinja",
+    "*.yaml", "LICENSE*", "NOTICE*", "tokenizer*", "vocab*", "merges*", ".gitattributes",
+]
+#: never downloaded: pickled weights and other frameworks' copies of the weights
+HUB_IGNORE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.h5", "*.msgpack", "*.onnx",
+                       "*.gguf", "original/*"]
+
+
+def looks_like_repo_id(model: str) -> bool:
+    parts = model.split("/")
+    return (
+        len(parts) == 2
+        and all(parts)
+        and not model.startswith((".", "~"))
+        and all(c.isalnum() or c in "-_." for p in parts for c in p)
+    )
+
+
+def resolve_model(model: str, *, revision: str | None = None, token: str | None = None) -> Path:
+    """A local model folder, or the snapshot folder of Hub repo ``model`` (downloaded if needed).
+
+    Hub downloads go through ``huggingface_hub.snapshot_download``, so HF_HOME, HF_HUB_OFFLINE
+    and HF_TOKEN behave as its users expect; only the files a conversion needs are fetched.
+    """
+    local = Path(model).expanduser()
+    if local.exists():
+        if revision is not None:
+            raise SourceError(f"{model}: --revision applies to Hub repo ids, not local folders")
+        return local
+    if not looks_like_repo_id(model):
+        raise SourceError(f"{model}: no such folder", hint="pass a model folder or a Hub repo id (org/name)")
+    return _snapshot(model, revision=revision, token=token)
+
+
+def _snapshot(repo_id: str, *, revision: str | None, token: str | None) -> Path:
+    from huggingface_hub import snapshot_download
+    from huggingface_hub.errors import (
+        GatedRepoError,
+        LocalEntryNotFoundError,
+        RepositoryNotFoundError,
+        RevisionNotFoundError,
+    )
+
+    try:
+        path = snapshot_download(
+            repo_id,
+            revision=revision,
+            token=token,
+            allow_patterns=HUB_ALLOW_PATTERNS,
+            ignore_patterns=HUB_IGNORE_PATTERNS,
+        )
+    except GatedRepoError:
+        raise SourceError(f"{repo_id}: gated repo, access not granted", hint="accept its terms on the Hub and set HF_TOKEN") from None
+    except RepositoryNotFoundError:
+        raise SourceError(f"{repo_id}: repository not found on the Hub (or private)", hint="check the id, or set HF_TOKEN") from None
+    except RevisionNotFoundError:
+        raise SourceError(f"{repo_id}: revision {revision!r} not found") from None
+    except LocalEntryNotFoundError:
+        raise SourceError(
+            f"{repo_id}: not in the local Hub cache and the Hub cannot be reached"
+            + (" (HF_HUB_OFFLINE is set)" if os.environ.get("HF_HUB_OFFLINE") else ""),
+        ) from None
+    return Path(path)

@@ -1,0 +1,165 @@
+"""Deterministic synthetic checkpoints in every source dialect, for the demo, tests and benchmarks.
+
+Llama/Qwen-style tensor names, configs with the exact keys of SPEC.md section 4, a bf16
+``lm_head`` listed as ignored, tokenizer-like side files, and at least one module whose weight
+and scale sit in different shards. The bytes are random but valid: no NaN e4m3 codes, scale
+codes in a realistic range.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+MXFP8_DIALECTS = ("sglang_mxfp8", "compressed_tensors_mxfp8", "modelopt_mxfp8")
+
+
+@dataclass(frozen=True, slots=True)
+class SynthSpec:
+    layers: int = 2
+    hidden: int = 256
+    intermediate: int = 512
+    heads: int = 4
+    kv_heads: int = 2
+    vocab: int = 512
+    shards: int = 2
+    dialect: str = "sglang_mxfp8"
+    scale_dtype: torch.dtype = torch.uint8  # or torch.float8_e8m0fnu
+    seed: int = 0
+
+
+def random_e4m3(shape, gen: torch.Generator) -> torch.Tensor:
+    """Random e4m3 bytes, NaN codes (0x7F, 0xFF) excluded."""
+    b = torch.randint(0, 254, shape, generator=gen, dtype=torch.int16)
+    b = b + (b >= 0x7F).to(torch.int16)  # skip 0x7F; 0xFF is never drawn
+    return b.to(torch.uint8).view(torch.float8_e4m3fn)
+
+
+def random_scales(shape, gen: torch.Generator, dtype=torch.uint8) -> torch.Tensor:
+    s = torch.randint(112, 128, shape, generator=gen, dtype=torch.int16).to(torch.uint8)
+    return s if dtype == torch.uint8 else s.view(dtype)
+
+
+def linear_names(spec: SynthSpec) -> list[tuple[str, int, int]]:
+    """(module, N, K) of every quantized linear, in layer order."""
+    h, i = spec.hidden, spec.intermediate
+    hd = h // spec.heads
+    out = []
+    for layer in range(spec.layers):
+        p = f"model.layers.{layer}"
+        out += [
+            (f"{p}.self_attn.q_proj", spec.heads * hd, h),
+            (f"{p}.self_attn.k_proj", spec.kv_heads * hd, h),
+            (f"{p}.self_attn.v_proj", spec.kv_heads * hd, h),
+            (f"{p}.self_attn.o_proj", h, spec.heads * hd),
+            (f"{p}.mlp.gate_proj", i, h),
+            (f"{p}.mlp.up_proj", i, h),
+            (f"{p}.mlp.down_proj", h, i),
+        ]
+    return out
+
+
+def scale_suffix(dialect: str) -> str:
+    return "weight_scale_inv" if dialect == "sglang_mxfp8" else "weight_scale"
+
+
+def quantization_config(dialect: str) -> tuple[dict | None, dict | None]:
+    """(config.json quantization_config, hf_quant_config.json) of a dialect, per SPEC section 4."""
+    if dialect == "sglang_mxfp8":
+        return {"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32],
+                "scale_fmt": "ue8m0", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]}, None
+    if dialect == "compressed_tensors_mxfp8":
+        return {"quant_method": "compressed-tensors", "format": "mxfp8-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
+                    "num_bits": 8, "type": "float", "strategy": "group", "group_size": 32,
+                    "symmetric": True, "dynamic": False, "scale_dtype": "uint8"},
+                    "input_activations": {"num_bits": 8, "type": "float", "strategy": "group",
+                                          "group_size": 32, "dynamic": True}}},
+                "ignore": ["lm_head"]}, None
+    if dialect == "modelopt_mxfp8":
+        return ({"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": ["lm_head"]},
+                {"producer": {"name": "modelopt", "version": "0.37.0"},
+                 "quantization": {"quant_algo": "MXFP8", "group_size": 32, "exclude_modules": ["lm_head"]}})
+    raise ValueError(f"unknown dialect {dialect!r}")
+
+
+def model_config(spec: SynthSpec) -> dict:
+    q, _ = quantization_config(spec.dialect)
+    return {
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": spec.hidden, "intermediate_size": spec.intermediate,
+        "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
+        "num_key_value_heads": spec.kv_heads, "vocab_size": spec.vocab,
+        "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+        "quantization_config": q,
+    }
+
+
+def make_tensors(spec: SynthSpec) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(spec.seed)
+    suffix = scale_suffix(spec.dialect)
+    t: dict[str, torch.Tensor] = {
+        "model.embed_tokens.weight": torch.randn(spec.vocab, spec.hidden, generator=gen).to(torch.bfloat16),
+    }
+    for layer in range(spec.layers):
+        for norm in ("input_layernorm", "post_attention_layernorm"):
+            t[f"model.layers.{layer}.{norm}.weight"] = torch.ones(spec.hidden, dtype=torch.bfloat16)
+    for module, n, k in linear_names(spec):
+        t[f"{module}.weight"] = random_e4m3((n, k), gen)
+        t[f"{module}.{suffix}"] = random_scales((n, k // 32), gen, spec.scale_dtype)
+    t["model.norm.weight"] = torch.ones(spec.hidden, dtype=torch.bfloat16)
+    t["lm_head.weight"] = (torch.randn(spec.vocab, spec.hidden, generator=gen) * 0.02).to(torch.bfloat16)
+    return t
+
+
+def shard_of(name: str, spec: SynthSpec) -> int:
+    """Layers are spread over shards; layer 0's o_proj scale is put in the last shard on purpose."""
+    if spec.shards == 1:
+        return 0
+    if name.startswith("model.layers.0.self_attn.o_proj.weight_scale"):
+        return spec.shards - 1
+    if name.startswith("model.layers."):
+        layer = int(name.split(".")[2])
+        return min(layer * spec.shards // max(spec.layers, 1), spec.shards - 1)
+    return 0 if name.startswith("model.embed") else spec.shards - 1
+
+
+def write_checkpoint(path: str | Path, spec: SynthSpec = SynthSpec()) -> Path:
+    """Write the synthetic checkpoint of ``spec`` into folder ``path`` (created)."""
+    path = Path(path)
+    path.mkdir(parents=True, exist_ok=True)
+    tensors = make_tensors(spec)
+    _, hfq = quantization_config(spec.dialect)
+    _write_shards(path, tensors, spec)
+    (path / "config.json").write_text(json.dumps(model_config(spec), indent=2))
+    if hfq is not None:
+        (path / "hf_quant_config.json").write_text(json.dumps(hfq, indent=2))
+    (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
+    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096, "chat_template": "{{ messages }}"}))
+    (path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}}}))
+    (path / "README.md").write_text("# synthetic model\n\nMade by mxfp8_convert.synth for tests and demos.\n")
+    (path / "LICENSE").write_text("Apache-2.0\n")
+    return path
+
+
+def _write_shards(path: Path, tensors: dict[str, torch.Tensor], spec: SynthSpec) -> None:
+    groups: list[dict[str, torch.Tensor]] = [{} for _ in range(spec.shards)]
+    for name, t in tensors.items():
+        groups[shard_of(name, spec)][name] = t.contiguous()
+    if spec.shards == 1:
+        save_file(groups[0], str(path / "model.safetensors"), metadata={"format": "pt"})
+        return
+    weight_map = {}
+    total = 0
+    for i, g in enumerate(groups):
+        fn = f"model-{i + 1:05d}-of-{spec.shards:05d}.safetensors"
+        save_file(g, str(path / fn), metadata={"format": "pt"})
+        for name, t in g.items():
+            weight_map[name] = fn
+            total += t.numel() * t.element_size()
+    index = {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+    (path / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
