@@ -1,0 +1,50 @@
+"""Helpers shared by end-to-end tests: build checkpoints, read them back, invert layouts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from pathlib import Path
+
+import torch
+from safetensors import safe_open
+
+from mxfp8_convert.backends import BACKENDS
+from mxfp8_convert.layouts import p32_unshuffle_rows, trtllm_scale_to_canonical, unswizzle_128x4
+
+
+def tree_hashes(root: Path) -> dict[str, str]:
+    """sha256 of every file under ``root`` (relative path -> hex)."""
+    return {
+        str(p.relative_to(root)): hashlib.sha256(p.read_bytes()).hexdigest()
+        for p in sorted(root.rglob("*")) if p.is_file()
+    }
+
+
+def load_all(root: Path) -> tuple[dict[str, torch.Tensor], dict[str, dict]]:
+    """All tensors of a checkpoint folder and each shard's metadata (read with safe_open)."""
+    tensors, meta = {}, {}
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            meta[f.name] = fh.metadata() or {}
+            for k in fh.keys():
+                tensors[k] = fh.get_tensor(k)
+    return tensors, meta
+
+
+def to_canonical(backend: str, weight: torch.Tensor, scale: torch.Tensor, n: int, k: int):
+    """Invert a backend's layouts: (uint8 [N, K], uint8 [N, K/32])."""
+    w = weight.view(torch.uint8)
+    if backend == "trtllm":
+        return p32_unshuffle_rows(w), trtllm_scale_to_canonical(scale, n, k // 32)
+    assert BACKENDS[backend].weight_layout == "identity"
+    return w, unswizzle_128x4(scale, n, k // 32)
+
+
+def marker(root: Path) -> dict:
+    return json.loads((root / "config.json").read_text())["quantization_config"]
+
+
+def leftovers(parent: Path) -> list[str]:
+    """Temporary or half-written folders that a failed run might leave beside its destination."""
+    return sorted(p.name for p in parent.iterdir() if ".mxfp8-tmp-" in p.name or ".mxfp8-old-" in p.name)

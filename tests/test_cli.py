@@ -1,0 +1,201 @@
+"""The CLI: exit codes, one-line errors on stderr, JSON on stdout, nothing left behind."""
+
+from __future__ import annotations
+
+import json
+import struct
+from dataclasses import replace
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from mxfp8_convert.cli import main
+from mxfp8_convert.synth import SynthSpec, write_checkpoint
+from tests.checkpoints import leftovers, tree_hashes
+
+SPEC = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=2)
+
+
+@pytest.fixture()
+def src(tmp_path):
+    return write_checkpoint(tmp_path / "model", SPEC)
+
+
+def run(capsys, *args):
+    code = main([str(a) for a in args])
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def assert_failed_cleanly(code, out, err, tmp_path, dest, expected_in_err):
+    assert code == 1, err
+    lines = [ln for ln in err.strip().splitlines() if not ln.startswith("Hint: ")]
+    assert len(lines) == 1 and lines[0].startswith("Error: "), err
+    assert expected_in_err in lines[0], lines[0]
+    assert "Traceback" not in err and out == ""
+    assert not dest.exists()
+    assert leftovers(dest.parent) == []
+
+
+def test_convert_json_is_one_document_on_stdout(capsys, src, tmp_path):
+    code, out, err = run(capsys, src, "--backend", "trtllm", "-o", tmp_path / "o", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["backend"] == "trtllm" and doc["output"] == str(tmp_path / "o")
+    assert doc["plan"]["modules_by_action"] == {"relayout": 7}
+    assert (tmp_path / "o" / "mxfp8_convert.complete.json").exists()
+
+
+def test_human_summary_and_dry_run(capsys, src, tmp_path):
+    code, out, err = run(capsys, src, "--backend", "cutlass", "-o", tmp_path / "o", "--dry-run")
+    assert code == 0 and "Dry run: nothing written" in out and "q_proj" in out
+    assert not (tmp_path / "o").exists()
+
+
+def test_version_and_help(capsys):
+    from mxfp8_convert import __version__
+
+    code, out, _ = run(capsys, "--version")
+    assert code == 0 and out.strip() == f"mxfp8-convert {__version__}"
+    code, out, _ = run(capsys, "convert", "--help")
+    assert code == 0 and "Exit codes" in out and "--backend" in out
+
+
+def test_usage_errors_exit_2(capsys, src, tmp_path):
+    code, _, err = run(capsys, src, "--backend", "nope", "-o", tmp_path / "o")
+    assert code == 2 and "nope" in err
+    code, _, err = run(capsys, src, "-o", tmp_path / "o")
+    assert code == 2 and "--backend" in err
+    assert not (tmp_path / "o").exists()
+
+
+def test_missing_folder(capsys, tmp_path):
+    dest = tmp_path / "o"
+    assert_failed_cleanly(*run(capsys, tmp_path / "nope", "-b", "trtllm", "-o", dest), tmp_path, dest,
+                          f"{tmp_path / 'nope'}: no such folder")
+
+
+def test_unknown_format(capsys, src, tmp_path):
+    cfg = json.loads((src / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "awq", "bits": 4}
+    (src / "config.json").write_text(json.dumps(cfg))
+    dest = tmp_path / "o"
+    assert_failed_cleanly(*run(capsys, src, "-b", "trtllm", "-o", dest), tmp_path, dest,
+                          "unsupported source format (quant_method 'awq')")
+
+
+def _rewrite_tensor(src, name, new):
+    """Replace one tensor of the checkpoint (in whichever shard holds it)."""
+    from safetensors import safe_open
+
+    for f in src.glob("*.safetensors"):
+        with safe_open(str(f), "pt") as fh:
+            if name not in fh.keys():
+                continue
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+        tensors[name] = new
+        save_file(tensors, str(f))
+        return f.name
+    raise KeyError(name)
+
+
+def test_scale_shape_mismatch_names_the_tensor(capsys, src, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight_scale_inv"
+    shard = _rewrite_tensor(src, name, torch.zeros(512, 4, dtype=torch.uint8))
+    dest = tmp_path / "o"
+    assert_failed_cleanly(*run(capsys, src, "-b", "cutlass", "-o", dest), tmp_path, dest,
+                          f"{shard}: scale '{name}' has shape [512, 4]; weight "
+                          f"'model.layers.0.mlp.up_proj.weight' [512, 256] needs [512, 8]")
+
+
+def test_k_not_multiple_of_32(capsys, src, tmp_path):
+    name = "model.layers.0.mlp.up_proj.weight"
+    _rewrite_tensor(src, name, torch.zeros(512, 250, dtype=torch.uint8).view(torch.float8_e4m3fn))
+    dest = tmp_path / "o"
+    assert_failed_cleanly(*run(capsys, src, "-b", "cutlass", "-o", dest), tmp_path, dest,
+                          f"weight '{name}' has K=250, not a multiple of 32")
+
+
+def test_malformed_index(capsys, src, tmp_path):
+    (src / "model.safetensors.index.json").write_text("{not json")
+    dest = tmp_path / "o"
+    assert_failed_cleanly(*run(capsys, src, "-b", "trtllm", "-o", dest), tmp_path, dest,
+                          "model.safetensors.index.json: not valid JSON")
+
+
+def test_index_naming_a_missing_shard(capsys, src, tmp_path):
+    idx = json.loads((src / "model.safetensors.index.json").read_text())
+    idx["weight_map"]["model.norm.weight"] = "model-00009-of-00009.safetensors"
+    (src / "model.safetensors.index.json").write_text(json.dumps(idx))
+    dest = tmp_path / "o"
+    assert_failed_cleanly(*run(capsys, src, "-b", "trtllm", "-o", dest), tmp_path, dest,
+                          "model-00009-of-00009.safetensors: file not found")
+
+
+def test_truncated_shard(capsys, src, tmp_path):
+    shard = src / "model-00002-of-00002.safetensors"
+    data = shard.read_bytes()
+    shard.write_bytes(data[: len(data) - 100])
+    dest = tmp_path / "o"
+    assert_failed_cleanly(*run(capsys, src, "-b", "trtllm", "-o", dest), tmp_path, dest,
+                          "past the end of the")
+
+
+def test_header_length_past_end(capsys, src, tmp_path):
+    shard = src / "model-00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[:8] = struct.pack("<Q", len(data) * 2)
+    shard.write_bytes(bytes(data))
+    dest = tmp_path / "o"
+    assert_failed_cleanly(*run(capsys, src, "-b", "trtllm", "-o", dest), tmp_path, dest,
+                          "model-00001-of-00002.safetensors: header length")
+
+
+def test_ineligible_lists_every_offender_and_keep_records_them(capsys, tmp_path):
+    # K = 288 (9 x 32): fine for cutlass, not a multiple of 256 for trtllm; two such modules
+    src = write_checkpoint(tmp_path / "m", replace(SPEC, intermediate=288))
+    dest = tmp_path / "o"
+    code, out, err = run(capsys, src, "-b", "trtllm", "-o", dest)
+    assert_failed_cleanly(code, out, err, tmp_path, dest, "1 tensor(s) do not fit backend trtllm")
+    assert "model.layers.0.mlp.down_proj.weight [256, 288]: K=288 is not a multiple of 256" in err
+    assert "--on-ineligible keep" in err
+
+    code, out, err = run(capsys, src, "-b", "trtllm", "-o", dest, "--on-ineligible", "keep", "--json")
+    assert code == 0, err
+    doc = json.loads(out)
+    assert doc["plan"]["kept_canonical"] == ["model.layers.0.mlp.down_proj"]
+    from safetensors import safe_open
+
+    shard = json.loads((dest / "model.safetensors.index.json").read_text())["weight_map"][
+        "model.layers.0.mlp.down_proj.weight_scale_inv"]
+    with safe_open(str(dest / shard), "pt") as f:
+        rec = json.loads(f.metadata()["mxfp8_convert.tensors"])["model.layers.0.mlp.down_proj.weight"]
+        assert rec["layout"] == "canonical"
+        assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv").shape == (256, 9)
+
+
+def test_existing_destination_needs_overwrite(capsys, src, tmp_path):
+    dest = tmp_path / "o"
+    dest.mkdir()
+    (dest / "keep.txt").write_text("precious")
+    code, out, err = run(capsys, src, "-b", "trtllm", "-o", dest)
+    assert code == 1 and "already exists" in err and "--overwrite" in err
+    assert (dest / "keep.txt").read_text() == "precious"
+
+
+def test_destination_inside_source_refused(capsys, src, tmp_path):
+    before = tree_hashes(src)
+    dest = src / "out"
+    code, out, err = run(capsys, src, "-b", "trtllm", "-o", dest)
+    assert code == 1 and "must not be the source folder or lie inside it" in err
+    assert not dest.exists() and tree_hashes(src) == before
+
+
+def test_pickles_only(capsys, tmp_path):
+    m = tmp_path / "m"
+    m.mkdir()
+    (m / "pytorch_model.bin").write_bytes(b"\x80\x04not really a pickle")
+    dest = tmp_path / "o"
+    assert_failed_cleanly(*run(capsys, m, "-b", "trtllm", "-o", dest), tmp_path, dest,
+                          "only pickle weights (pytorch_model.bin); safetensors is required")

@@ -1,0 +1,142 @@
+"""End to end: synthetic sharded checkpoints of each dialect, converted to each backend."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import replace
+
+import pytest
+import torch
+
+from mxfp8_convert import FLASHINFER_LAYOUT_VERSION, convert
+from mxfp8_convert.backends import BACKENDS
+from mxfp8_convert.plan import COMPLETE_MARKER, SWIZZLED_SUFFIX
+from mxfp8_convert.synth import MXFP8_DIALECTS, SynthSpec, linear_names, scale_suffix, write_checkpoint
+from tests.checkpoints import leftovers, load_all, marker, to_canonical, tree_hashes
+
+SPEC = SynthSpec(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=2)
+
+
+@pytest.fixture(scope="module")
+def sources(tmp_path_factory):
+    root = tmp_path_factory.mktemp("src")
+    out = {}
+    for dialect in MXFP8_DIALECTS:
+        for sdt in (torch.uint8, torch.float8_e8m0fnu):
+            spec = replace(SPEC, dialect=dialect, scale_dtype=sdt, seed=len(out))
+            out[(dialect, str(sdt))] = (write_checkpoint(root / f"{dialect}-{len(out)}", spec), spec)
+    return out
+
+
+@pytest.mark.parametrize("backend", list(BACKENDS))
+@pytest.mark.parametrize("dialect", MXFP8_DIALECTS)
+@pytest.mark.parametrize("scale_dtype", [torch.uint8, torch.float8_e8m0fnu], ids=["u8", "e8m0"])
+def test_roundtrip_bytes_metadata_and_passthrough(sources, tmp_path, backend, dialect, scale_dtype):
+    src, spec = sources[(dialect, str(scale_dtype))]
+    before = tree_hashes(src)
+    out = tmp_path / "out"
+    result = convert(src, backend, out)
+    assert tree_hashes(src) == before, "the source must never be modified"
+    assert result.plan.format == dialect
+
+    got, meta = load_all(out)
+    want, _ = load_all(src)
+    suffix = scale_suffix(dialect)
+    modules = linear_names(spec)
+    for module, n, k in modules:
+        w, s = got[f"{module}.weight"], got[f"{module}.{SWIZZLED_SUFFIX}"]
+        assert w.dtype == torch.float8_e4m3fn and tuple(w.shape) == (n, k)
+        assert s.dtype == torch.uint8 and tuple(s.shape) == (-(-n // 128), -(-k // 128), 512)
+        assert f"{module}.{suffix}" not in got, "exactly one scale copy"
+        cw, cs = to_canonical(backend, w, s, n, k)
+        assert torch.equal(cw, want[f"{module}.weight"].view(torch.uint8)), module
+        assert torch.equal(cs, want[f"{module}.{suffix}"].view(torch.uint8)), module
+    linear = {f"{m}.weight" for m, _, _ in modules} | {f"{m}.{suffix}" for m, _, _ in modules}
+    for name, t in want.items():
+        if name not in linear:  # norms, embeddings, ignored lm_head: byte-identical
+            assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md", "LICENSE"):
+        assert (out / f).read_bytes() == (src / f).read_bytes(), f
+    assert not (out / "hf_quant_config.json").exists()
+
+    m = marker(out)
+    assert m["quant_method"] == "mxfp8_convert" and m["backend"] == backend
+    assert m["weight_layout"] == BACKENDS[backend].weight_layout
+    assert m["scale_layout"] == BACKENDS[backend].scale_layout
+    assert m["flashinfer_layout_version"] == FLASHINFER_LAYOUT_VERSION
+    assert m["source"]["dialect"] == dialect and m["source"]["fingerprint"].startswith("sha256:")
+    assert "lm_head" in m["ignored_layers"]
+    original = json.loads((src / "config.json").read_text())["quantization_config"]
+    assert m["original_quantization_config"] == original
+    for shard_meta in meta.values():
+        assert json.loads(shard_meta["mxfp8_convert"]) == m
+        records = json.loads(shard_meta["mxfp8_convert.tensors"])
+        for name, rec in records.items():
+            if rec["role"] == "weight_scale":
+                n, c = rec["logical_shape"]
+                assert rec["layout"] == BACKENDS[backend].scale_layout
+                assert rec["tile_shape"] == list(got[name].shape)
+                assert rec["padded_shape"] == [-(-n // 128) * 128, -(-c // 4) * 4]
+
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    assert set(index["weight_map"]) == set(got)
+    assert list(index["weight_map"]) == sorted(index["weight_map"])
+    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in got.values())
+    for name, shard in index["weight_map"].items():
+        assert name in load_all_shard(out / shard)
+
+    done = json.loads((out / COMPLETE_MARKER).read_text())
+    files = {p.name for p in out.iterdir()} - {COMPLETE_MARKER}
+    assert set(done["files"]) == files
+    hashes = tree_hashes(out)
+    for f, rec in done["files"].items():
+        assert rec["sha256"] == hashes[f] and rec["size"] == (out / f).stat().st_size
+    assert leftovers(tmp_path) == []
+
+
+def load_all_shard(path):
+    from safetensors import safe_open
+
+    with safe_open(str(path), "pt") as f:
+        return set(f.keys())
+
+
+def test_weight_and_scale_in_different_shards_end_up_together(sources, tmp_path):
+    src, _ = sources[("sglang_mxfp8", str(torch.uint8))]
+    idx = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
+    mod = "model.layers.0.self_attn.o_proj"
+    assert idx[f"{mod}.weight"] != idx[f"{mod}.weight_scale_inv"], "fixture must split the pair"
+    convert(src, "trtllm", tmp_path / "out")
+    out_idx = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    assert out_idx[f"{mod}.weight"] == out_idx[f"{mod}.{SWIZZLED_SUFFIX}"] == idx[f"{mod}.weight"]
+
+
+def test_single_file_checkpoint(tmp_path):
+    src = write_checkpoint(tmp_path / "one", SynthSpec(layers=1, shards=1))
+    convert(src, "cutlass", tmp_path / "out")
+    assert (tmp_path / "out" / "model.safetensors").exists()
+    assert not (tmp_path / "out" / "model.safetensors.index.json").exists()
+
+
+def test_dry_run_writes_nothing(sources, tmp_path):
+    src, _ = sources[("sglang_mxfp8", str(torch.uint8))]
+    r = convert(src, "trtllm", tmp_path / "out", dry_run=True)
+    assert r.dry_run and not (tmp_path / "out").exists() and leftovers(tmp_path) == []
+    assert r.plan.to_dict()["modules_by_action"] == {"relayout": len(linear_names(SPEC))}
+
+
+def test_overwrite_replaces_a_complete_output(sources, tmp_path):
+    src, _ = sources[("sglang_mxfp8", str(torch.uint8))]
+    out = tmp_path / "out"
+    convert(src, "trtllm", out)
+    convert(src, "cutlass", out, overwrite=True)
+    assert marker(out)["backend"] == "cutlass"
+    assert leftovers(tmp_path) == []
+
+
+def test_default_output_is_beside_the_model(sources):
+    from mxfp8_convert import default_output
+
+    src, _ = sources[("sglang_mxfp8", str(torch.uint8))]
+    assert default_output(str(src), "trtllm") == src.resolve().parent / f"{src.name}-trtllm"
