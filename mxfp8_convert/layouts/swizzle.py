@@ -22,6 +22,14 @@ TILE_COLS = 4
 TILE_BYTES = TILE_ROWS * TILE_COLS  # 512
 
 
+def _words(x: torch.Tensor) -> torch.Tensor:
+    """``x``'s bytes as int32 words (its last dim must be a multiple of 4)."""
+    x = x.contiguous()
+    if x.storage_offset() % 4:
+        x = x.clone()  # an int32 view needs 4-byte alignment
+    return x.view(torch.int32)
+
+
 def _check_2d(s: torch.Tensor, what: str) -> None:
     if s.dim() < 2:
         raise LayoutError(f"{what} needs a [..., rows, cols] tensor, got shape {list(s.shape)}")
@@ -50,10 +58,11 @@ def swizzle_128x4(s: torch.Tensor) -> torch.Tensor:
     *batch, r, c = s.shape
     rp, cp = ceil_to(r, TILE_ROWS), ceil_to(c, TILE_COLS)
     s = pad_2d(s, rp, cp)
-    t = s.reshape(*batch, rp // 128, 4, 32, cp // 4, 4)
+    # The 4 bytes of a row within a 4-column group stay together: move them as one int32 word.
+    words = _words(s).reshape(*batch, rp // 128, 4, 32, cp // 4)
     nb = len(batch)
-    perm = [*range(nb), nb, nb + 3, nb + 2, nb + 1, nb + 4]
-    return t.permute(perm).reshape(*batch, rp // 128, cp // 4, TILE_BYTES).contiguous()
+    perm = [*range(nb), nb, nb + 3, nb + 2, nb + 1]
+    return words.permute(perm).contiguous().view(torch.uint8).reshape(*batch, rp // 128, cp // 4, TILE_BYTES)
 
 
 def unswizzle_128x4(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -79,10 +88,10 @@ def unswizzle_128x4(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
             f"128x4 scale tiles of shape {list(t.shape)} do not hold a [{rows}, {cols}] scale "
             f"(expected [..., {tr}, {tc}, 512] or [..., {flat}])"
         )
-    x = t.reshape(*batch, tr, tc, 32, 4, 4)
+    words = _words(t).reshape(*batch, tr, tc, 32, 4)
     nb = len(batch)
-    perm = [*range(nb), nb, nb + 3, nb + 2, nb + 1, nb + 4]
-    x = x.permute(perm).reshape(*batch, tr * 128, tc * 4)
+    perm = [*range(nb), nb, nb + 3, nb + 2, nb + 1]
+    x = words.permute(perm).contiguous().view(torch.uint8).reshape(*batch, tr * 128, tc * 4)
     return x[..., :rows, :cols].contiguous()
 
 

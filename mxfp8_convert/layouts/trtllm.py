@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import torch
 
+from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts._common import as_bytes, ceil_to, pad_2d
 from mxfp8_convert.layouts.rows import p32_shuffle_rows, p32_unshuffle_rows
 from mxfp8_convert.layouts.swizzle import swizzle_128x4, swizzled_128x4_shape, unswizzle_128x4
@@ -34,7 +35,11 @@ def trtllm_scale_from_canonical(s: torch.Tensor) -> torch.Tensor:
         uint8 ``[..., ceil128(N)/128, ceil4(C)/4, 512]``: pad rows to ceil128(N), P32, 128x4.
     """
     s = as_bytes(s)
+    if s.dim() < 2:
+        raise LayoutError(f"trtllm weight scale needs a [..., N, C] tensor, got shape {list(s.shape)}")
     *batch, n, c = s.shape
+    if n % 32:
+        raise LayoutError(f"trtllm weight scale needs N % 32 == 0 (P32 row shuffle), got N={n}")
     s = pad_2d(s, ceil_to(n, 128), c)
     if batch:  # shuffle each matrix's rows: move the row dim first, then back
         s = p32_shuffle_rows(s.movedim(-2, 0)).movedim(0, -2)
