@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import argparse
 import json
-import resource
+import os
+import statistics
 import shutil
 import subprocess
 import sys
@@ -54,42 +55,60 @@ def make_source(root: Path, gb: float) -> Path:
 
 
 def timed(cmd: list[str]) -> tuple[float, int]:
-    """Wall time and peak RSS (bytes) of a child process."""
-    before = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
+    """Wall time and peak RSS (bytes) of one child process (os.wait4 gives that child's own)."""
     t = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL)
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
     dt = time.perf_counter() - t
-    after = resource.getrusage(resource.RUSAGE_CHILDREN).ru_maxrss
-    return dt, max(after, before) * 1024  # ru_maxrss is KiB on Linux; max over children so far
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    if proc.returncode:
+        raise SystemExit(f"{cmd[0]} failed with exit code {proc.returncode}")
+    return dt, usage.ru_maxrss * 1024  # KiB on Linux
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=4.0)
     ap.add_argument("--dir", default="bench-data")
-    ap.add_argument("--backend", default="trtllm")
+    ap.add_argument("--backend", nargs="+", default=["trtllm", "cutlass"])
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    print(banner())
+    if not args.make_only:
+        print(banner())
     base = Path(args.dir)
-    src = make_source(base / "src", args.gb)
+    if args.make_only:
+        make_source(base / "src", args.gb)
+        return
+    # made in a child so that this process stays small and cannot skew the RSS figures
+    subprocess.run([sys.executable, __file__, "--make-only", "--gb", str(args.gb), "--dir", args.dir], check=True)
+    src = base / "src"
     size = sum(p.stat().st_size for p in src.iterdir())
-    out, cp_out = base / f"out-{args.backend}", base / "cp"
-    for p in (out, cp_out):
-        shutil.rmtree(p, ignore_errors=True)
     subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    results: dict[str, list[float]] = {"cp -r + sync": []}
+    rss: dict[str, int] = {}
+    dst = base / "dst"
+    for _ in range(args.repeat):  # interleaved, so that machine noise hits every contender alike
+        shutil.rmtree(dst, ignore_errors=True)
+        subprocess.run(["sync"], check=True)
+        t_cp, _ = timed(["cp", "-r", str(src), str(dst)])
+        t_sync, _ = timed(["sync"])
+        results["cp -r + sync"].append(t_cp + t_sync)
+        for backend in args.backend:
+            shutil.rmtree(dst, ignore_errors=True)
+            subprocess.run(["sync"], check=True)
+            t, r = timed([sys.executable, "-m", "mxfp8_convert", str(src), "--backend", backend, "-o", str(dst), "--quiet"])
+            results.setdefault(f"mxfp8-convert {backend}", []).append(t)
+            rss[backend] = max(rss.get(backend, 0), r)
+    shutil.rmtree(dst, ignore_errors=True)
 
-    t_cp, _ = timed(["cp", "-r", str(src), str(cp_out)])
-    t_sync, _ = timed(["sync"])
-    t_conv, rss = timed([sys.executable, "-m", "mxfp8_convert", str(src), "--backend", args.backend, "-o", str(out), "--quiet"])
-    for p in (out, cp_out):
-        shutil.rmtree(p, ignore_errors=True)
-
-    print(f"source: {size / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, largest tensor 512 MiB")
-    print(f"cp -r:             {t_cp:7.2f} s  {size / t_cp / 1e9:6.2f} GB/s")
-    print(f"cp -r + sync:      {t_cp + t_sync:7.2f} s  {size / (t_cp + t_sync) / 1e9:6.2f} GB/s")
-    print(f"mxfp8-convert {args.backend}: {t_conv:7.2f} s  {size / t_conv / 1e9:6.2f} GB/s (fsync'd)")
-    print(f"speed vs cp: {t_cp / t_conv:.2f}x   vs cp+sync: {(t_cp + t_sync) / t_conv:.2f}x")
-    print(f"converter peak RSS: {rss / 2**20:.0f} MiB")
+    print(f"source: {size / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, largest tensor 512 MiB; "
+          f"median of {args.repeat} interleaved runs")
+    base_t = statistics.median(results["cp -r + sync"])
+    for name, ts in results.items():
+        t = statistics.median(ts)
+        extra = f"  peak RSS {rss[name.split()[-1]] / 2**20:.0f} MiB" if name.startswith("mxfp8") else ""
+        print(f"{name:24s} {t:7.2f} s  {size / t / 1e9:5.2f} GB/s  speed vs cp+sync {base_t / t:4.2f}x{extra}")
 
 
 if __name__ == "__main__":

@@ -11,11 +11,20 @@ from pathlib import Path
 import torch
 
 from mxfp8_convert import __version__
+from mxfp8_convert._buffers import BufferPool
 from mxfp8_convert.backends import BackendSpec, get_backend
+from mxfp8_convert.dtypes import torch_dtype
 from mxfp8_convert.errors import OutputError
 from mxfp8_convert.formats import detect, get_format
 from mxfp8_convert.plan import COMPLETE_MARKER, ConversionPlan, ShardPlan, TensorPlan, build_plan
-from mxfp8_convert.read import INDEX_NAME, SourceCheckpoint, iter_chunks, open_checkpoint, read_tensor, resolve_model
+from mxfp8_convert.read import (
+    INDEX_NAME,
+    ShardReader,
+    SourceCheckpoint,
+    chunk_ranges,
+    open_checkpoint,
+    resolve_model,
+)
 from mxfp8_convert.transform import layout_scale, layout_weight_chunk, weight_granule
 from mxfp8_convert.write import (
     ShardWriter,
@@ -23,10 +32,13 @@ from mxfp8_convert.write import (
     check_destination,
     copy_file,
     free_bytes,
+    fsync_paths,
     write_json,
 )
 
-CHUNK_BYTES = 64 << 20
+CHUNK_BYTES = 32 << 20
+#: chunks queued for the writer thread while the next one is read and laid out
+PIPELINE_DEPTH = 2
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,14 +171,15 @@ def _execute(ckpt: SourceCheckpoint, plan: ConversionPlan, backend: BackendSpec,
     done = 0
     for shard in plan.shards:
         size, digest, done = _write_shard(ckpt, plan, backend, shard, out, emit, done, total)
-        files[shard.name] = {"size": size, "sha256": digest}
+        files[shard.name] = {"size": size, "xxh3_128": digest}
     emit(ProgressEvent("writing", bytes_done=done, bytes_total=total))
     for rel in plan.copied_files:
         size, digest = copy_file(ckpt.path(rel), out / rel)
-        files[rel] = {"size": size, "sha256": digest}
+        files[rel] = {"size": size, "xxh3_128": digest}
     for rel, obj in _json_files(ckpt, plan).items():
         size, digest = write_json(out / rel, obj)
-        files[rel] = {"size": size, "sha256": digest}
+        files[rel] = {"size": size, "xxh3_128": digest}
+    fsync_paths([out / s.name for s in plan.shards])  # durable before the marker says "complete"
     write_json(out / COMPLETE_MARKER, {
         "format_version": plan.marker["format_version"],
         "backend": plan.backend,
@@ -201,26 +214,50 @@ def _shard_metadata(ckpt: SourceCheckpoint, plan: ConversionPlan, shard: ShardPl
 
 def _write_shard(ckpt, plan, backend, shard: ShardPlan, out: Path, emit, done: int, total: int):
     entries = [(t.name, t.dtype, t.shape, t.nbytes) for t in shard.tensors]
-    writer = ShardWriter(out / shard.name, entries, _shard_metadata(ckpt, plan, shard))
+    writer = ShardWriter(out / shard.name, entries, _shard_metadata(ckpt, plan, shard), depth=PIPELINE_DEPTH)
+    pool = BufferPool(CHUNK_BYTES, PIPELINE_DEPTH + 2)  # queued + in hand
+    readers: dict[str, ShardReader] = {}
     try:
         for t in shard.tensors:
-            for chunk in _produce(ckpt, backend, t):
-                writer.write(chunk)
-                done += chunk.numel()
+            info = ckpt.tensors[t.source]
+            if info.file not in readers:
+                readers[info.file] = ShardReader(ckpt.root, info.file, ckpt.shards[info.file].size)
+            for n in _produce(readers[info.file], backend, t, info, writer, pool):
+                done += n
                 emit(ProgressEvent("transforming", shard.name, t.name, done, total))
         size, digest = writer.close()
     except BaseException:
         writer.abort()
         raise
+    finally:
+        for r in readers.values():
+            r.close()
     return size, digest, done
 
 
-def _produce(ckpt: SourceCheckpoint, backend: BackendSpec, t: TensorPlan) -> Iterator[torch.Tensor]:
-    """The output bytes of tensor ``t``, in chunks."""
-    info = ckpt.tensors[t.source]
+def _produce(reader: ShardReader, backend: BackendSpec, t: TensorPlan, info, writer: ShardWriter,
+             pool: BufferPool) -> Iterator[int]:
+    """Queue the output bytes of tensor ``t`` on ``writer``; yield the byte count of each piece.
+
+    Bytes that do not change are copied in the kernel (copy_file_range, as cp does); a P32
+    weight is shuffled chunk by chunk from the source's page cache into a pooled buffer.
+    """
     if t.role == "weight_scale":
-        s = read_tensor(ckpt.root, info)
-        yield layout_scale(t, backend, s).reshape(-1)
+        s = reader.view(info.begin, info.nbytes).view(torch_dtype(info.dtype)).reshape(info.shape)
+        laid = layout_scale(t, backend, s)
+        if laid.data_ptr() == s.data_ptr():  # kept canonical: same bytes
+            writer.copy(reader.fd, info.begin, s.reshape(-1).view(torch.uint8))
+        else:
+            writer.write(laid.reshape(-1))
+        yield info.nbytes
         return
-    for chunk in iter_chunks(ckpt.root, info, granule=weight_granule(t), chunk_bytes=CHUNK_BYTES):
-        yield layout_weight_chunk(t, backend, chunk)
+    granule = weight_granule(t)
+    for begin, n in chunk_ranges(info, granule=granule, chunk_bytes=CHUNK_BYTES):
+        src = reader.view(begin, n)
+        if granule == 1:
+            writer.copy(reader.fd, begin, src, lambda _, b=begin, m=n: reader.drop(b, m))
+        else:
+            laid = layout_weight_chunk(t, backend, src, pool.get(n))
+            reader.drop(begin, n)
+            writer.write(laid, pool.release)
+        yield n

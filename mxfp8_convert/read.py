@@ -9,8 +9,10 @@ from __future__ import annotations
 
 import json
 import math
+import mmap
 import os
 import struct
+import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -286,46 +288,61 @@ def _other_files(root: Path, shards: set[str]) -> Iterator[str]:
             yield rel
 
 
-def read_into(ckpt_root: Path, info: TensorInfo, out: torch.Tensor, offset: int = 0) -> torch.Tensor:
-    """Fill uint8 tensor ``out`` with ``out.numel()`` bytes of ``info`` starting at ``offset``."""
-    n = out.numel()
-    if offset + n > info.nbytes:
-        raise SourceError(f"{info.file}: read past the end of tensor {info.name!r}")
-    with open(ckpt_root / info.file, "rb") as f:
-        f.seek(info.begin + offset)
-        got = f.readinto(memoryview(out.numpy()).cast("B"))
-    if got != n:
-        raise SourceError(f"{info.file}: file ended inside tensor {info.name!r} (truncated?)")
-    return out
+class ShardReader:
+    """One open source shard: an fd for in-kernel copies and a read-only mmap for views.
+
+    Views cost no copy; ``drop()`` tells the kernel we are done with a range, so the pages we
+    touched leave this process's resident set (they stay in the page cache).
+    """
+
+    def __init__(self, root: Path, relpath: str, expected_size: int) -> None:
+        self.relpath = relpath
+        self._f = open(safe_child(root, relpath, what="shard"), "rb")
+        self.fd = self._f.fileno()
+        size = os.fstat(self.fd).st_size
+        if size != expected_size:  # changed since its header was validated: never mmap past EOF
+            self._f.close()
+            raise SourceError(f"{relpath}: file changed size during conversion ({expected_size} -> {size})")
+        self._mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if size else None
+
+    def view(self, begin: int, n: int) -> torch.Tensor:
+        """Read-only uint8 view of bytes ``[begin, begin + n)`` (do not write to it)."""
+        if n == 0:
+            return torch.empty(0, dtype=torch.uint8)
+        with warnings.catch_warnings():
+            warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": we never write
+            return torch.frombuffer(self._mm, dtype=torch.uint8, count=n, offset=begin)
+
+    def drop(self, begin: int, n: int) -> None:
+        page = mmap.PAGESIZE
+        start, end = -(-begin // page) * page, (begin + n) // page * page
+        if self._mm is not None and end > start and hasattr(mmap, "MADV_DONTNEED"):
+            self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
+
+    def close(self) -> None:
+        if self._mm is not None:
+            try:
+                self._mm.close()
+            except BufferError:  # a view is still referenced somewhere; the GC unmaps it later
+                pass
+        self._f.close()
 
 
 def read_tensor(ckpt_root: Path, info: TensorInfo) -> torch.Tensor:
     """The whole tensor, as a new CPU tensor of its own dtype and shape."""
     buf = torch.empty(info.nbytes, dtype=torch.uint8)
-    read_into(ckpt_root, info, buf)
+    with open(ckpt_root / info.file, "rb") as f:
+        f.seek(info.begin)
+        if f.readinto(memoryview(buf.numpy()).cast("B")) != info.nbytes:
+            raise SourceError(f"{info.file}: file ended inside tensor {info.name!r} (truncated?)")
     return buf.view(ST_DTYPES[info.dtype][0]).reshape(info.shape)
 
 
-def iter_chunks(
-    ckpt_root: Path, info: TensorInfo, *, granule: int, chunk_bytes: int = 64 << 20
-) -> Iterator[torch.Tensor]:
-    """Yield the tensor's bytes as uint8 tensors of a multiple of ``granule`` bytes each.
-
-    One open file and one reused buffer: memory stays at ``chunk_bytes`` whatever the tensor.
-    """
+def chunk_ranges(info: TensorInfo, *, granule: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
+    """``(absolute offset, length)`` pieces of a tensor, each a multiple of ``granule`` bytes."""
     step = max(granule, chunk_bytes // granule * granule)
-    buf = torch.empty(min(step, info.nbytes), dtype=torch.uint8)
-    mv = memoryview(buf.numpy()).cast("B")
-    with open(ckpt_root / info.file, "rb") as f:
-        f.seek(info.begin)
-        done = 0
-        while done < info.nbytes:
-            n = min(step, info.nbytes - done)
-            got = f.readinto(mv[:n])
-            if got != n:
-                raise SourceError(f"{info.file}: file ended inside tensor {info.name!r} (truncated?)")
-            yield buf[:n]
-            done += n
+    for off in range(0, info.nbytes, step):
+        yield info.begin + off, min(step, info.nbytes - off)
 
 
 #: what a conversion needs from a Hub repo: weights, configs, tokenizer and other small files

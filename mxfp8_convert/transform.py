@@ -22,12 +22,20 @@ def weight_granule(t: TensorPlan) -> int:
     return 1
 
 
-def layout_weight_chunk(t: TensorPlan, backend: BackendSpec, chunk: torch.Tensor) -> torch.Tensor:
-    """Lay out a chunk of ``t``'s canonical weight bytes: uint8 ``[rows*K]`` in, same size out."""
-    if t.layout in ("canonical", "copy") or t.layout != backend.weight_layout:
+def layout_weight_chunk(t: TensorPlan, backend: BackendSpec, chunk: torch.Tensor,
+                        out: torch.Tensor | None = None) -> torch.Tensor:
+    """Lay out a chunk of ``t``'s canonical weight bytes: uint8 ``[rows*K]`` in, same size out.
+
+    Layouts that keep the bytes return ``chunk`` itself. ``out`` (same size) receives the
+    shuffled bytes when given, so a pipeline can reuse its buffers.
+    """
+    if t.layout in ("canonical", "copy") or t.layout != backend.weight_layout or t.layout == "identity":
         return chunk
     k = t.shape[1]
-    return backend.weight_forward(chunk.view(-1, k)).reshape(-1)
+    if out is None or t.layout != "p32_rows":
+        return backend.weight_forward(chunk.view(-1, k)).reshape(-1)
+    out.view(-1, 4, 8, k).copy_(chunk.view(-1, 8, 4, k).transpose(1, 2))  # = p32_shuffle_rows
+    return out
 
 
 def layout_scale(t: TensorPlan, backend: BackendSpec, s: torch.Tensor) -> torch.Tensor:

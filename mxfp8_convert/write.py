@@ -9,17 +9,22 @@ as they are produced and no tensor, let alone the model, needs to be held in mem
 from __future__ import annotations
 
 import errno
-import hashlib
 import json
 import os
 import secrets
 import shutil
 import struct
+from collections import deque
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import torch
+import xxhash
 
 from mxfp8_convert.errors import OutputError
+
+#: errnos meaning "no in-kernel copy between these files": fall back to a plain write
+_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
 
 
 def _fsync_dir(path: Path) -> None:
@@ -55,10 +60,11 @@ class ShardWriter:
     """Stream one safetensors file whose tensors (name, dtype, shape, nbytes) are known upfront.
 
     Tensors must be written in the order given, each exactly ``nbytes`` long; ``close()``
-    checks that, flushes, fsyncs and returns ``(size, sha256 hex)`` of the file.
+    checks that and returns ``(size, xxh3_128 hex)`` of the file.
     """
 
-    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...], int]], metadata: dict[str, str]):
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...], int]],
+                 metadata: dict[str, str], *, depth: int = 2):
         self.path = path
         header: dict = {"__metadata__": metadata} if metadata else {}
         pos = 0
@@ -70,42 +76,108 @@ class ShardWriter:
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
         self._expected = 8 + len(raw) + pos
-        self._hash = hashlib.sha256()
+        self._hash = xxhash.xxh3_128()
         self._written = 0
+        # A background thread writes and hashes queued chunks (both release the GIL) while the
+        # caller reads and lays out the next; at most `depth` chunks wait, bounding memory.
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-write")
+        self._pending: deque = deque()
+        self._depth = depth
         try:
-            self._f = open(path, "wb")
-            self._put(struct.pack("<Q", len(raw)) + raw)
+            self._f = open(path, "wb", buffering=0)  # raw: writes and kernel copies share the offset
         except OSError as e:
             raise os_error(path, e) from None
+        self.write(struct.pack("<Q", len(raw)) + raw)
 
-    def _put(self, data) -> None:
-        mv = _as_memoryview(data)
-        self._f.write(mv)
+    def _drain(self, keep: int) -> None:
+        while len(self._pending) > keep:
+            wrote, data, release = self._pending.popleft()
+            try:
+                wrote.result()
+            except OSError as e:
+                raise os_error(self.path, e) from None
+            finally:
+                if release is not None:
+                    release(data)
+
+    def _write_all(self, mv: memoryview) -> None:
         self._hash.update(mv)
-        self._written += mv.nbytes
+        while mv.nbytes:
+            n = self._f.write(mv)
+            mv = mv[n:]
 
-    def write(self, data: torch.Tensor | bytes) -> None:
+    def _copy_range(self, src_fd: int, offset: int, n: int, view: memoryview) -> None:
+        """Copy ``n`` bytes of ``src_fd`` at ``offset`` in the kernel (like cp); plain write of
+        ``view`` (the same bytes) where copy_file_range is unavailable."""
+        self._hash.update(view)
+        done = 0
         try:
-            self._put(data)
-        except OSError as e:
-            raise os_error(self.path, e) from None
+            while done < n:
+                got = os.copy_file_range(src_fd, self._f.fileno(), n - done, offset + done)
+                if got == 0:
+                    raise OSError(errno.EIO, "source ended during copy")
+                done += got
+        except (AttributeError, OSError) as e:
+            if isinstance(e, OSError) and e.errno not in _NO_KERNEL_COPY:
+                raise
+            mv = view[done:]
+            while mv.nbytes:
+                mv = mv[self._f.write(mv):]
+
+    def copy(self, src_fd: int, offset: int, view: torch.Tensor, release=None) -> None:
+        """Queue ``view.numel()`` bytes of ``src_fd`` at ``offset`` (``view`` holds the same bytes,
+        e.g. an mmap view; it is hashed, and written only if the kernel cannot copy)."""
+        mv = _as_memoryview(view)
+        self._enqueue(self._writer.submit(self._copy_range, src_fd, offset, mv.nbytes, mv), mv, view, release)
+
+    def write(self, data: torch.Tensor | bytes, release=None) -> None:
+        """Queue ``data`` to be appended to the file; ``release(data)`` is called once written.
+
+        The caller must not modify ``data`` until then.
+        """
+        mv = _as_memoryview(data)
+        self._enqueue(self._writer.submit(self._write_all, mv), mv, data, release)
+
+    def _enqueue(self, wrote, mv: memoryview, data, release) -> None:
+        self._written += mv.nbytes
+        self._pending.append((wrote, data, release))
         if self._written > self._expected:
+            self._drain(0)
             raise OutputError(f"{self.path}: more bytes written than the header declares (bug)")
+        self._drain(self._depth)
 
     def close(self) -> tuple[int, str]:
+        """Finish writing and flush to the OS (``fsync_paths`` makes it durable later)."""
         try:
-            self._f.flush()
-            os.fsync(self._f.fileno())
+            self._drain(0)
         except OSError as e:
             raise os_error(self.path, e) from None
         finally:
             self._f.close()
+            self._writer.shutdown()
         if self._written != self._expected:
             raise OutputError(f"{self.path}: wrote {self._written} bytes, header declares {self._expected} (bug)")
         return self._written, self._hash.hexdigest()
 
     def abort(self) -> None:
+        for wrote, _, _ in self._pending:
+            wrote.cancel()
+        self._writer.shutdown(wait=True)
         self._f.close()
+
+
+def fsync_paths(paths: list[Path]) -> None:
+    """fsync files written earlier. Deferring this lets the kernel write shard i back while
+    shard i+1 is produced, instead of stalling after each shard."""
+    for p in paths:
+        try:
+            fd = os.open(p, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+        except OSError as e:
+            raise os_error(p, e) from None
 
 
 def write_json(path: Path, obj: dict) -> tuple[int, str]:
@@ -121,12 +193,12 @@ def write_bytes(path: Path, data: bytes) -> tuple[int, str]:
             os.fsync(f.fileno())
     except OSError as e:
         raise os_error(path, e) from None
-    return len(data), hashlib.sha256(data).hexdigest()
+    return len(data), xxhash.xxh3_128(data).hexdigest()
 
 
 def copy_file(src: Path, dst: Path) -> tuple[int, str]:
-    """Copy bytes (not links, not permissions of a read-only cache), fsync, return size + sha256."""
-    h = hashlib.sha256()
+    """Copy bytes (not links, not permissions of a read-only cache), fsync, return size + xxh3_128."""
+    h = xxhash.xxh3_128()
     size = 0
     try:
         dst.parent.mkdir(parents=True, exist_ok=True)

@@ -13,6 +13,12 @@ from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.layouts import p32_unshuffle_rows, trtllm_scale_to_canonical, unswizzle_128x4
 
 
+def xxh(path: Path) -> str:
+    import xxhash
+
+    return xxhash.xxh3_128(path.read_bytes()).hexdigest()
+
+
 def tree_hashes(root: Path) -> dict[str, str]:
     """sha256 of every file under ``root`` (relative path -> hex)."""
     return {
