@@ -1,0 +1,589 @@
+"""MXFP8 quantization math: FlashInfer's quantize recipe, dequantize, FP8 sources, error metrics.
+
+Pure tensor math on CPU or CUDA alike: no disk, no logging, no FlashInfer import. Big tensors
+are processed in row chunks, so the extra memory a call needs is a small multiple of one chunk
+(a few float32 copies of it; the requantize paths also hold two float64 copies for the error),
+never of the whole tensor; ``chunk_rows=None`` picks chunks of about ``2**20`` elements.
+
+MXFP8 (SPEC.md section 1): ``float8_e4m3fn`` values, one UE8M0 scale byte ``b`` per 1x32 block
+along K meaning ``2^(b-127)``; ``b = 255`` is NaN. The quantizer reproduces FlashInfer
+0.7.2.post1's host reference ``mxfp8_quantize_host`` (``csrc/nv_internal/tensorrt_llm/thop/
+fp8Quantize.cpp``) bit for bit, so a converted checkpoint carries exactly the bytes FlashInfer
+would have produced from the same high-precision weights.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import torch
+
+from mxfp8_convert.errors import LayoutError
+
+MX_BLOCK = 32  # elements per UE8M0 scale, along K
+E4M3_MAX = 448.0  # largest finite float8_e4m3fn
+UE8M0_BIAS = 127
+UE8M0_MAX_CODE = 254  # 255 is NaN
+UE8M0_NAN = 255
+HIGH_PRECISION_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+# fl32(1/448), the constant the reference multiplies by (``1.f / 448.0f``); not a division.
+_INV_E4M3_MAX = (torch.tensor(1.0, dtype=torch.float32) / E4M3_MAX).item()
+_CHUNK_ELEMENTS = 1 << 20  # 4 MiB float32 temporaries: reused by the allocator, cache-friendly
+_F32_MANTISSA_BITS = 23
+_F32_MANTISSA_MASK = (1 << _F32_MANTISSA_BITS) - 1
+_F32_HALF_MANTISSA = 1 << 22  # mantissa of 2^-127 (fp32 subnormal)
+
+
+@dataclass(frozen=True, slots=True)
+class QuantError:
+    """How far a dequantized MXFP8 tensor is from its reference.
+
+    ``rel_fro = ||deq - ref||_F / ||ref||_F`` (0 when both are zero, inf when only ref is) and
+    ``sqnr_db = 10 log10(||ref||^2 / ||deq - ref||^2)`` (inf when exact, -inf when ref is zero
+    and deq is not).
+    """
+
+    rel_fro: float
+    sqnr_db: float
+
+    def to_dict(self) -> dict[str, float]:
+        return {"rel_fro": self.rel_fro, "sqnr_db": self.sqnr_db}
+
+
+@dataclass(frozen=True, slots=True)
+class MXFP8Result:
+    """An FP8 source tensor converted to MXFP8.
+
+    Attributes:
+        q: ``float8_e4m3fn [N, K]``; on the lossless path this is the source tensor itself.
+        s: ``uint8 [N, K/32]`` UE8M0 scale codes, linear (row-major) layout.
+        lossless: True when the source bytes were kept and its scales mapped exactly.
+        error: None when lossless, else the requantization error against the source's
+            dequantized float32 values.
+    """
+
+    q: torch.Tensor
+    s: torch.Tensor
+    lossless: bool
+    error: QuantError | None
+
+    def __post_init__(self) -> None:
+        if self.q.dim() != 2:
+            raise LayoutError(f"MXFP8Result needs a 2-D q, got shape {list(self.q.shape)}")
+        if self.q.dtype != torch.float8_e4m3fn or self.s.dtype != torch.uint8:
+            raise LayoutError(
+                f"MXFP8Result needs e4m3 q and uint8 s, got {self.q.dtype} and {self.s.dtype}"
+            )
+        n, k = self.q.shape
+        if tuple(self.s.shape) != (n, k // MX_BLOCK):
+            raise LayoutError(
+                f"MXFP8Result scale shape {list(self.s.shape)} does not fit q {[n, k]}"
+            )
+        if self.lossless != (self.error is None):
+            raise LayoutError("MXFP8Result carries an error exactly when it is not lossless")
+
+    def to_dict(self) -> dict:
+        return {
+            "shape": list(self.q.shape),
+            "lossless": self.lossless,
+            "error": None if self.error is None else self.error.to_dict(),
+        }
+
+
+# --- small helpers --------------------------------------------------------------------------
+
+
+def _row_chunks(n: int, k: int, chunk_rows: int | None) -> Iterator[tuple[int, int]]:
+    """Yield ``(r0, r1)`` row ranges covering ``[0, n)``."""
+    if chunk_rows is None:
+        chunk_rows = max(1, _CHUNK_ELEMENTS // max(k, 1))
+    if chunk_rows < 1:
+        raise LayoutError(f"chunk_rows must be >= 1, got {chunk_rows}")
+    for r0 in range(0, n, chunk_rows):
+        yield r0, min(n, r0 + chunk_rows)
+
+
+def _first_true(mask: torch.Tensor) -> tuple[int, ...]:
+    """Index of the first True in ``mask`` (error paths only)."""
+    flat = int(mask.flatten().nonzero()[0])
+    return tuple(int(i) for i in torch.unravel_index(torch.tensor(flat), mask.shape))
+
+
+def _check_matrix(x: torch.Tensor, name: str, what: str = "tensor") -> tuple[int, int]:
+    """Require a 2-D ``[N, K]`` tensor with ``K % 32 == 0``; return ``(N, K)``."""
+    if x.dim() != 2:
+        raise LayoutError(f"{name}: MXFP8 needs a 2-D [N, K] {what}, got shape {list(x.shape)}")
+    n, k = x.shape
+    if k % MX_BLOCK:
+        raise LayoutError(
+            f"{name}: K = {k} is not a multiple of 32, so it cannot be split into MXFP8 1x32 blocks",
+            hint="keep this tensor in its source precision (add it to the ignore list)",
+        )
+    return n, k
+
+
+def _exp2_f32(e: torch.Tensor) -> torch.Tensor:
+    """Exact float32 ``2^e`` for int32 ``e`` in ``[-127, 127]``, built from its bits.
+
+    ``2^-127`` is an fp32 subnormal (mantissa ``1 << 22``); bits avoid any library ``exp2``.
+    """
+    bits = torch.where(
+        e > -127,
+        (e + 127).bitwise_left_shift(_F32_MANTISSA_BITS),
+        torch.full_like(e, _F32_HALF_MANTISSA),
+    )
+    return bits.to(torch.int32).view(torch.float32)
+
+
+def _scale_f64(codes: torch.Tensor) -> torch.Tensor:
+    """Exact float64 ``2^(code-127)`` for UE8M0 codes 0..254 (always a normal float64)."""
+    e = codes.to(torch.int64) - UE8M0_BIAS + 1023
+    return e.bitwise_left_shift(52).view(torch.float64)
+
+
+def _as_codes(s: torch.Tensor, name: str) -> torch.Tensor:
+    """View a UE8M0 scale tensor (uint8 or float8_e8m0fnu) as uint8 codes."""
+    if s.dtype == torch.uint8:
+        return s
+    if s.dtype == getattr(torch, "float8_e8m0fnu", None):
+        return s.view(torch.uint8)
+    raise LayoutError(f"{name}: MXFP8 scales must be uint8 or float8_e8m0fnu, got {s.dtype}")
+
+
+def _as_e4m3(q: torch.Tensor, name: str) -> torch.Tensor:
+    if q.dtype == torch.float8_e4m3fn:
+        return q
+    if q.dtype == torch.uint8:
+        return q.view(torch.float8_e4m3fn)
+    raise LayoutError(
+        f"{name}: MXFP8 values must be float8_e4m3fn (or its uint8 bytes), got {q.dtype}"
+    )
+
+
+def _non_finite(x: torch.Tensor) -> torch.Tensor:
+    """Boolean mask of NaN/Inf elements."""
+    if x.dtype == torch.float8_e4m3fn:  # no Inf; NaN is S.1111.111. Bytes beat a float copy.
+        return x.view(torch.uint8).bitwise_and(0x7F) == 0x7F
+    return ~torch.isfinite(x.float())
+
+
+def check_finite(x: torch.Tensor, name: str, *, chunk_rows: int | None = None) -> None:
+    """Raise if a floating tensor (any float dtype, float8 included) holds a NaN or Inf.
+
+    Args:
+        x: floating tensor of any shape; checked in chunks of its first dimension.
+        name: tensor name for the message.
+        chunk_rows: first-dimension rows per chunk (None: about 2**20 elements).
+
+    Raises:
+        LayoutError: naming the tensor and the index of the first non-finite element.
+    """
+    if not x.is_floating_point():
+        raise LayoutError(f"{name}: expected a floating tensor, got {x.dtype}")
+    if x.dim() == 0:
+        x = x.reshape(1)
+    row = max(1, x[0].numel()) if x.shape[0] else 1
+    for r0, r1 in _row_chunks(x.shape[0], row, chunk_rows):
+        bad = _non_finite(x[r0:r1])
+        if bad.any():
+            idx = _first_true(bad)
+            idx = (idx[0] + r0, *idx[1:])
+            raise LayoutError(
+                f"{name}: non-finite value {x[idx].item()} at index {list(idx)}",
+                hint="the source tensor is corrupt or overflowed; fix it before converting",
+            )
+
+
+# --- the FlashInfer recipe ------------------------------------------------------------------
+
+
+def _ue8m0_ceil_codes(scaled: torch.Tensor) -> torch.Tensor:
+    """``float_to_ue8m0`` of fp8Quantize.cpp on a finite, non-negative float32 tensor.
+
+    Code = the exponent of ``scaled`` rounded up to a power of two: +1 when any mantissa bit is
+    set, except at exponent 0xFE (the clamp to 254) and for subnormals ``<= 2^-127`` (code 0
+    already means ``2^-127``). The reference's explicit ``value == 0 -> 0`` falls out of the
+    same bits (exponent 0, mantissa 0), for ``-0.0`` too since the sign bit is masked off.
+    """
+    bits = scaled.view(torch.int32)
+    exponent = bits.bitwise_right_shift(_F32_MANTISSA_BITS).bitwise_and(0xFF)
+    mantissa = bits.bitwise_and(_F32_MANTISSA_MASK)
+    round_up = (mantissa > 0) & (exponent != UE8M0_MAX_CODE)
+    round_up &= ~((exponent == 0) & (mantissa <= _F32_HALF_MANTISSA))
+    return exponent + round_up.to(exponent.dtype)
+
+
+def _quantize_chunk(
+    xf: torch.Tensor, q_out: torch.Tensor, s_out: torch.Tensor, name: str, row0: int
+) -> None:
+    """Quantize float32 rows ``xf [n, K]`` into ``q_out [n, K]`` (e4m3) and ``s_out [n, K/32]``."""
+    n, k = xf.shape
+    blocks = xf.reshape(n, k // MX_BLOCK, MX_BLOCK)
+    lo, hi = torch.aminmax(blocks, dim=-1)  # NaN propagates; no full-size |x| temporary
+    amax = torch.maximum(hi, -lo)
+    if not torch.isfinite(amax).all():
+        r, c = _first_true(~torch.isfinite(amax))
+        col = c * MX_BLOCK + int((~torch.isfinite(blocks[r, c])).nonzero()[0])
+        raise LayoutError(
+            f"{name}: non-finite value {xf[r, col].item()} at row {row0 + r}, column {col}; "
+            "MXFP8 cannot encode NaN or Inf",
+            hint="the source tensor is corrupt or overflowed; fix it before converting",
+        )
+    codes = _ue8m0_ceil_codes(amax * _INV_E4M3_MAX)  # one fp32 multiply, as the reference
+    # Reference: inv_scale = (code == 0) ? 1 : exp2f(127 - code). Code 0 keeps x unscaled,
+    # so its (tiny) values round to +-0 in e4m3.
+    inv = torch.where(codes == 0, torch.ones_like(amax), _exp2_f32(UE8M0_BIAS - codes))
+    scaled = blocks * inv.unsqueeze(-1)
+    # cutlass' host float_e4m3_t(float) is round-nearest-even with satfinite; torch's cast is
+    # RNE but turns |x| >= 480 into NaN, so saturate first: then the two agree on every non-NaN
+    # fp32 (checked exhaustively over all 2^32 bit patterns). With the ceil rule above the clamp
+    # never binds (|scaled| <= 448 * (1 + 2^-23), which rounds to 448); it is a cheap guard that
+    # keeps the cast saturating if the scale rule ever changes.
+    scaled.clamp_(-E4M3_MAX, E4M3_MAX)
+    q_out.view(n, k // MX_BLOCK, MX_BLOCK).copy_(scaled)
+    s_out.copy_(codes)
+
+
+def quantize_mxfp8(
+    x: torch.Tensor, *, name: str = "tensor", chunk_rows: int | None = None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize a high-precision weight to MXFP8 exactly as FlashInfer does.
+
+    Per 1x32 block along K: ``code = ceil_pow2(fl32(amax * fl32(1/448)))`` as a UE8M0 exponent
+    (at most 254; 0 for an all-zero block), then ``q = e4m3_rne_satfinite(x * 2^(127-code))`` in
+    float32, except that code 0 leaves ``x`` unscaled (so such blocks hold only +-0 bytes:
+    ``0x80`` where ``x`` is negative or ``-0.0``). Bit-exact with ``mxfp8_quantize_host``
+    (FlashInfer 0.7.2.post1 ``fp8Quantize.cpp``) for float32 input; bf16/fp16 are widened exactly.
+
+    Args:
+        x: ``[N, K]`` bfloat16, float16 or float32, ``K % 32 == 0``, any device.
+        name: tensor name for error messages.
+        chunk_rows: rows per chunk (None: about 2**20 elements per chunk).
+
+    Returns:
+        ``(q, s)``: ``q`` float8_e4m3fn ``[N, K]`` and ``s`` uint8 ``[N, K/32]`` (linear layout),
+        both contiguous, on ``x``'s device.
+
+    Raises:
+        LayoutError: wrong rank, dtype or K, or a NaN/Inf element (message names ``name``).
+
+    Example:
+        >>> q, s = quantize_mxfp8(torch.full((1, 32), 448.0))
+        >>> int(s[0, 0]), q[0, 0].item()   # amax 448 -> scale 2^0 -> code 127
+        (127, 448.0)
+    """
+    n, k = _check_matrix(x, name)
+    if x.dtype not in HIGH_PRECISION_DTYPES:
+        raise LayoutError(
+            f"{name}: quantize_mxfp8 takes bfloat16, float16 or float32, got {x.dtype}"
+        )
+    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=x.device)
+    s = torch.empty((n, k // MX_BLOCK), dtype=torch.uint8, device=x.device)
+    if x.numel():
+        for r0, r1 in _row_chunks(n, k, chunk_rows):
+            _quantize_chunk(x[r0:r1].to(torch.float32), q[r0:r1], s[r0:r1], name, r0)
+    return q, s
+
+
+# --- dequantize and error -------------------------------------------------------------------
+
+
+def _check_pair(q: torch.Tensor, s: torch.Tensor, name: str) -> tuple[torch.Tensor, torch.Tensor]:
+    """Validate an MXFP8 ``(q, s)`` pair; return them as (e4m3, uint8) views."""
+    n, k = _check_matrix(q, name, "value tensor")
+    q, codes = _as_e4m3(q, name), _as_codes(s, name)
+    if tuple(codes.shape) != (n, k // MX_BLOCK):
+        raise LayoutError(
+            f"{name}: scale shape {list(codes.shape)} does not match values {[n, k]} "
+            f"(expected {[n, k // MX_BLOCK]}, linear layout)"
+        )
+    nan = codes == UE8M0_NAN
+    if nan.any():
+        r, c = _first_true(nan)
+        raise LayoutError(f"{name}: scale byte 255 (UE8M0 NaN) at row {r}, scale column {c}")
+    return q, codes
+
+
+def _dequant_chunk(
+    q: torch.Tensor, codes: torch.Tensor, name: str, row0: int, f64: bool
+) -> torch.Tensor:
+    """Dequantize e4m3 rows ``q [n, K]`` with codes ``[n, K/32]`` to float32 (or float64)."""
+    n, k = q.shape
+    nan = _non_finite(q)  # e4m3fn NaN bytes 0x7F / 0xFF
+    if nan.any():
+        r, c = _first_true(nan)
+        raise LayoutError(f"{name}: e4m3 NaN byte at row {row0 + r}, column {c}")
+    v = q.to(torch.float64 if f64 else torch.float32)
+    scale = _scale_f64(codes) if f64 else _exp2_f32(codes.to(torch.int32) - UE8M0_BIAS)
+    return (v.view(n, k // MX_BLOCK, MX_BLOCK) * scale.unsqueeze(-1)).view(n, k)
+
+
+def dequantize_mxfp8(
+    q: torch.Tensor,
+    s: torch.Tensor,
+    *,
+    name: str = "tensor",
+    out_dtype: torch.dtype = torch.float32,
+    chunk_rows: int | None = None,
+) -> torch.Tensor:
+    """Dequantize MXFP8: ``out[r, k] = float(q[r, k]) * 2^(s[r, k//32] - 127)``.
+
+    Code 0 means ``2^-127`` as in the OCP MX spec and the GEMM kernels. (FlashInfer's
+    ``mxfp8_dequantize_host`` turns code 0 into a zero scale instead; the two agree on
+    everything :func:`quantize_mxfp8` produces, whose code-0 blocks are all +-0.) The product
+    is one float32 multiply, exact unless it leaves float32's range (codes >= 248 can overflow
+    to +-inf); ``out_dtype=torch.bfloat16`` rounds that float32 result once.
+
+    Args:
+        q: float8_e4m3fn (or uint8 bytes) ``[N, K]``, ``K % 32 == 0``.
+        s: uint8 or float8_e8m0fnu ``[N, K/32]``, linear (not swizzled) layout.
+        name: tensor name for error messages.
+        out_dtype: torch.float32 (default) or torch.bfloat16.
+        chunk_rows: rows per chunk (None: about 2**20 elements per chunk).
+
+    Returns:
+        ``[N, K]`` tensor of ``out_dtype`` on ``q``'s device.
+
+    Raises:
+        LayoutError: bad shapes or dtypes, a scale byte 255 (NaN) or an e4m3 NaN byte.
+    """
+    if out_dtype not in (torch.float32, torch.bfloat16):
+        raise LayoutError(f"{name}: dequantize_mxfp8 outputs float32 or bfloat16, not {out_dtype}")
+    q, codes = _check_pair(q, s, name)
+    n, k = q.shape
+    out = torch.empty((n, k), dtype=out_dtype, device=q.device)
+    for r0, r1 in _row_chunks(n, k, chunk_rows):
+        out[r0:r1] = _dequant_chunk(q[r0:r1], codes[r0:r1], name, r0, f64=False)
+    return out
+
+
+def _error_sums(
+    ref: torch.Tensor, q: torch.Tensor, codes: torch.Tensor, name: str, row0: int
+) -> torch.Tensor:
+    """``[sum (deq - ref)^2, sum ref^2]`` in float64 for one row chunk."""
+    r = ref.to(torch.float64).flatten()
+    diff = _dequant_chunk(q, codes, name, row0, f64=True).flatten().sub_(r)
+    return torch.stack([torch.dot(diff, diff), torch.dot(r, r)])  # one pass each, no temporary
+
+
+def _to_quant_error(sums: torch.Tensor) -> QuantError:
+    err2, ref2 = (float(v) for v in sums.cpu())
+    if err2 == 0.0:
+        return QuantError(rel_fro=0.0, sqnr_db=math.inf)
+    if ref2 == 0.0:
+        return QuantError(rel_fro=math.inf, sqnr_db=-math.inf)
+    return QuantError(rel_fro=math.sqrt(err2 / ref2), sqnr_db=10.0 * math.log10(ref2 / err2))
+
+
+def quantization_error(
+    ref: torch.Tensor,
+    q: torch.Tensor,
+    s: torch.Tensor,
+    *,
+    name: str = "tensor",
+    chunk_rows: int | None = None,
+) -> QuantError:
+    """Relative Frobenius error and SQNR of MXFP8 ``(q, s)`` against ``ref``.
+
+    Dequantizes exactly in float64 (code 0 = ``2^-127``) and accumulates in float64, chunk by
+    chunk. See :class:`QuantError` for the zero and exact cases.
+
+    Args:
+        ref: floating ``[N, K]`` reference (any float dtype), finite.
+        q: float8_e4m3fn (or uint8 bytes) ``[N, K]``.
+        s: uint8 or float8_e8m0fnu ``[N, K/32]``, linear layout.
+        name: tensor name for error messages.
+        chunk_rows: rows per chunk (None: about 2**20 elements per chunk).
+
+    Returns:
+        :class:`QuantError`.
+
+    Raises:
+        LayoutError: shapes disagree, ``ref`` is not finite, or ``s`` holds a 255.
+    """
+    q, codes = _check_pair(q, s, name)
+    if tuple(ref.shape) != tuple(q.shape):
+        raise LayoutError(
+            f"{name}: reference shape {list(ref.shape)} != MXFP8 shape {list(q.shape)}"
+        )
+    check_finite(ref, name, chunk_rows=chunk_rows)
+    n, k = q.shape
+    sums = torch.zeros(2, dtype=torch.float64, device=q.device)
+    for r0, r1 in _row_chunks(n, k, chunk_rows):
+        sums += _error_sums(ref[r0:r1], q[r0:r1], codes[r0:r1], name, r0)
+    return _to_quant_error(sums)
+
+
+# --- FP8 sources (SPEC.md section 4) --------------------------------------------------------
+
+
+def _source_scale_f32(scale: torch.Tensor, name: str) -> torch.Tensor:
+    """A source's multiplier scales as float32, checked finite and positive."""
+    if not scale.is_floating_point():
+        raise LayoutError(f"{name}: FP8 scales must be a floating tensor, got {scale.dtype}")
+    f = scale.to(torch.float32)
+    bad = ~torch.isfinite(f) | (f <= 0)
+    if bad.any():
+        idx = _first_true(bad.reshape(f.shape)) if f.dim() else ()
+        raise LayoutError(
+            f"{name}: scale {f[idx].item()} at index {list(idx)} is not a finite positive number",
+            hint="the source checkpoint's scale tensor is corrupt",
+        )
+    return f
+
+
+def _exact_pow2_codes(scale: torch.Tensor) -> torch.Tensor | None:
+    """UE8M0 codes of positive float32 scales that are all exact powers of two in
+    ``[2^-127, 2^127]``; None if any is not (then the source must be requantized)."""
+    bits = scale.contiguous().view(torch.int32)
+    exponent = bits.bitwise_right_shift(_F32_MANTISSA_BITS).bitwise_and(0xFF)
+    mantissa = bits.bitwise_and(_F32_MANTISSA_MASK)
+    normal = (mantissa == 0) & (exponent >= 1) & (exponent <= UE8M0_MAX_CODE)
+    tiniest = (exponent == 0) & (mantissa == _F32_HALF_MANTISSA)  # 2^-127 -> code 0
+    if not bool((normal | tiniest).all()):
+        return None
+    return torch.where(normal, exponent, torch.zeros_like(exponent)).to(torch.uint8)
+
+
+def _check_fp8_weight(w: torch.Tensor, name: str, chunk_rows: int | None) -> tuple[int, int]:
+    n, k = _check_matrix(w, name, "weight")
+    if w.dtype != torch.float8_e4m3fn:
+        raise LayoutError(f"{name}: FP8 source weights must be float8_e4m3fn, got {w.dtype}")
+    check_finite(w, name, chunk_rows=chunk_rows)  # e4m3fn NaN bytes 0x7F / 0xFF
+    return n, k
+
+
+def _dequant_source(w: torch.Tensor, row_scale: torch.Tensor, bk: int) -> torch.Tensor:
+    """The source's own float32 math, ``fl32(w) * scale``, for rows ``w [n, K]`` whose block
+    scales are ``row_scale [n, ceil(K/bk)]``; broadcasts per block instead of gathering."""
+    n, k = w.shape
+    deq = w.to(torch.float32)
+    full = k // bk  # whole column blocks; a ragged last block (K % bk) is scaled on its own
+    deq[:, : full * bk].view(n, full, bk).mul_(row_scale[:, :full, None])
+    if full * bk < k:
+        deq[:, full * bk :].mul_(row_scale[:, full:])
+    return deq
+
+
+def _scaled_fp8_to_mxfp8(
+    w: torch.Tensor,
+    scale: torch.Tensor,
+    block: tuple[int, int],
+    name: str,
+    chunk_rows: int | None,
+) -> MXFP8Result:
+    """Convert ``w [N, K]`` with float32 multipliers ``scale [ceil(N/bn), ceil(K/bk)]``."""
+    n, k = w.shape
+    bn, bk = block
+    if w.numel() == 0:
+        return MXFP8Result(
+            w, torch.zeros((n, k // MX_BLOCK), dtype=torch.uint8, device=w.device), True, None
+        )
+    codes = _exact_pow2_codes(scale)
+    if codes is not None and bk % MX_BLOCK == 0:
+        # Every 1x32 block sits inside one source block: keep the bytes, copy the exponent.
+        rows = torch.arange(n, device=w.device) // bn
+        cols = torch.arange(k // MX_BLOCK, device=w.device) * MX_BLOCK // bk
+        return MXFP8Result(w, codes[rows][:, cols].contiguous(), lossless=True, error=None)
+    q = torch.empty_like(w)
+    s = torch.empty((n, k // MX_BLOCK), dtype=torch.uint8, device=w.device)
+    sums = torch.zeros(2, dtype=torch.float64, device=w.device)
+    for r0, r1 in _row_chunks(n, k, chunk_rows):
+        deq = _dequant_source(w[r0:r1], scale[torch.arange(r0, r1, device=w.device) // bn], bk)
+        _quantize_chunk(deq, q[r0:r1], s[r0:r1], name, r0)
+        sums += _error_sums(deq, q[r0:r1], s[r0:r1], name, r0)
+    return MXFP8Result(q, s, lossless=False, error=_to_quant_error(sums))
+
+
+def block_fp8_to_mxfp8(
+    w: torch.Tensor,
+    scale_inv: torch.Tensor,
+    *,
+    block: tuple[int, int] = (128, 128),
+    name: str = "weight",
+    scale_name: str | None = None,
+    chunk_rows: int | None = None,
+) -> MXFP8Result:
+    """Convert a DeepSeek-style block-FP8 weight to MXFP8 (SPEC.md section 4).
+
+    The source value is ``fl32(w) * scale_inv[r // bn, k // bk]`` (a multiplier). When every
+    block scale is an exact power of two in ``[2^-127, 2^127]`` (``scale_fmt: ue8m0``
+    checkpoints) and ``bk % 32 == 0``, the conversion is lossless: the e4m3 bytes are kept and
+    each 1x32 block gets its source block's exponent as UE8M0 code, so ``dequantize_mxfp8``
+    returns the source's float32 values exactly. Otherwise each row chunk is dequantized in
+    float32 and requantized with :func:`quantize_mxfp8`, and the error is reported.
+
+    Args:
+        w: float8_e4m3fn ``[N, K]``, ``K % 32 == 0``; N and K need not be multiples of the block.
+        scale_inv: floating ``[ceil(N/bn), ceil(K/bk)]`` multipliers, finite and positive.
+        block: ``(bn, bk)`` source block shape.
+        name: weight name for messages.
+        scale_name: scale name for messages (default ``name + "_scale_inv"``).
+        chunk_rows: rows per chunk on the requantize path (None: about 2**20 elements).
+
+    Returns:
+        :class:`MXFP8Result`; on the lossless path ``q`` is ``w`` itself (no copy).
+
+    Raises:
+        LayoutError: bad shapes/dtypes/block, a NaN byte in ``w``, or a zero, negative, NaN or
+            Inf scale (naming the tensor and block).
+    """
+    scale_name = scale_name or f"{name}_scale_inv"
+    n, k = _check_fp8_weight(w, name, chunk_rows)
+    if len(block) != 2 or min(int(b) for b in block) < 1:
+        raise LayoutError(f"{name}: block must be two positive ints, got {block}")
+    bn, bk = (int(b) for b in block)
+    want = (-(-n // bn), -(-k // bk))
+    if tuple(scale_inv.shape) != want:
+        raise LayoutError(
+            f"{scale_name}: shape {list(scale_inv.shape)} does not fit weight {[n, k]} with "
+            f"{bn}x{bk} blocks (expected {list(want)})"
+        )
+    scale = _source_scale_f32(scale_inv, scale_name).to(w.device)
+    return _scaled_fp8_to_mxfp8(w, scale, (bn, bk), name, chunk_rows)
+
+
+def per_tensor_fp8_to_mxfp8(
+    w: torch.Tensor,
+    weight_scale: torch.Tensor,
+    *,
+    name: str = "weight",
+    scale_name: str | None = None,
+    chunk_rows: int | None = None,
+) -> MXFP8Result:
+    """Convert a per-tensor or per-channel (per output row) FP8 weight to MXFP8.
+
+    Source value ``fl32(w[r, k]) * weight_scale[r]`` (or the one scalar). Power-of-two scales in
+    ``[2^-127, 2^127]`` are lossless (bytes kept, one code per row); anything else is
+    dequantized and requantized, with the error reported.
+
+    Args:
+        w: float8_e4m3fn ``[N, K]``, ``K % 32 == 0``.
+        weight_scale: floating scalar, ``[1]``, ``[N]`` or ``[N, 1]``, finite and positive.
+        name: weight name for messages.
+        scale_name: scale name for messages (default ``name + "_scale"``).
+        chunk_rows: rows per chunk on the requantize path (None: about 2**20 elements).
+
+    Returns:
+        :class:`MXFP8Result`; on the lossless path ``q`` is ``w`` itself (no copy).
+
+    Raises:
+        LayoutError: bad shapes/dtypes, a NaN byte in ``w``, or a bad scale.
+    """
+    scale_name = scale_name or f"{name}_scale"
+    n, k = _check_fp8_weight(w, name, chunk_rows)
+    shape = tuple(weight_scale.shape)
+    if weight_scale.numel() == 1 and len(shape) <= 2:
+        rows, block = 1, (max(n, 1), max(k, MX_BLOCK))  # one block covers the whole weight
+    elif shape in ((n,), (n, 1)):
+        rows, block = n, (1, max(k, MX_BLOCK))  # one block per output row
+    else:
+        raise LayoutError(
+            f"{scale_name}: shape {list(shape)} is neither per-tensor ([], [1]) nor "
+            f"per-channel ([{n}], [{n}, 1]) for weight {[n, k]}"
+        )
+    scale = _source_scale_f32(weight_scale, scale_name).reshape(rows, 1).to(w.device)
+    return _scaled_fp8_to_mxfp8(w, scale, block, name, chunk_rows)
