@@ -53,6 +53,11 @@ class BackendSpec:
     scale_inverse: Callable[[torch.Tensor, int, int], torch.Tensor]
     scale_shape: Callable[[int, int], tuple[int, int, int]]
 
+    @property
+    def laid_out(self) -> bool:
+        """False for the canonical target (plain MXFP8, no kernel layout)."""
+        return self.weight_layout != "canonical"
+
     def violations(self, n: int, k: int) -> list[str]:
         """Every constraint a ``[n, k]`` weight breaks, as short phrases (empty if eligible)."""
         out = []
@@ -114,7 +119,26 @@ BACKENDS: dict[str, BackendSpec] = {
         scale_inverse=unswizzle_128x4,
         scale_shape=swizzled_128x4_shape,
     ),
+    # Not a kernel: plain SGLang/Miles MXFP8 (uint8 weight_scale_inv [N, K/32]), the way back.
+    "canonical": BackendSpec(
+        name="canonical",
+        weight_layout="canonical",
+        scale_layout="linear",
+        n_multiple=1,
+        k_multiple=32,
+        min_n=1,
+        min_k=32,
+        compute_capabilities=(),
+        weight_forward=_identity,
+        weight_inverse=_identity,
+        scale_forward=_identity,
+        scale_inverse=lambda s, rows, cols: s.reshape(rows, cols),
+        scale_shape=lambda rows, cols: (rows, cols),
+    ),
 }
+
+#: the backends FlashInfer's mm_mxfp8 runs (the runtime's choices)
+KERNEL_BACKENDS = tuple(name for name, spec in BACKENDS.items() if spec.laid_out)
 
 
 def get_backend(name: str) -> BackendSpec:

@@ -5,18 +5,25 @@ from __future__ import annotations
 import json
 import time
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
 
 from mxfp8_convert import __version__
 from mxfp8_convert._buffers import BufferPool
-from mxfp8_convert.backends import BackendSpec, get_backend
+from mxfp8_convert.backends import BACKENDS, FORMAT_VERSION, BackendSpec, get_backend
 from mxfp8_convert.dtypes import torch_dtype
-from mxfp8_convert.errors import OutputError
-from mxfp8_convert.formats import detect, get_format
-from mxfp8_convert.plan import COMPLETE_MARKER, ConversionPlan, ShardPlan, TensorPlan, build_plan
+from mxfp8_convert.errors import LayoutError, OutputError
+from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD, detect, get_format
+from mxfp8_convert.plan import (
+    COMPLETE_MARKER,
+    ConversionPlan,
+    ModulePlan,
+    ShardPlan,
+    TensorPlan,
+    build_plan,
+)
 from mxfp8_convert.read import (
     INDEX_NAME,
     ShardReader,
@@ -25,7 +32,15 @@ from mxfp8_convert.read import (
     open_checkpoint,
     resolve_model,
 )
-from mxfp8_convert.transform import layout_scale, layout_weight_chunk, weight_granule
+from mxfp8_convert.transform import (
+    canonical_module,
+    check_scale_codes,
+    first_e4m3_nan,
+    has_e4m3_nan,
+    layout_scale,
+    layout_weight_chunk,
+    weight_granule,
+)
 from mxfp8_convert.write import (
     ShardWriter,
     Staging,
@@ -65,6 +80,7 @@ class ConversionResult:
     dry_run: bool
     seconds: float
     bytes_written: int
+    quantization_errors: dict = field(default_factory=dict)  # module -> {action, rel_fro, sqnr_db}
 
     def to_dict(self) -> dict:
         return {
@@ -76,6 +92,7 @@ class ConversionResult:
             "dry_run": self.dry_run,
             "seconds": round(self.seconds, 3),
             "bytes_written": self.bytes_written,
+            "quantization_errors": self.quantization_errors,
             "plan": self.plan.to_dict(),
         }
 
@@ -156,39 +173,163 @@ def convert(
                           hint="free disk space or choose another -o")
     staging = Staging(dest)
     try:
-        written = _execute(ckpt, plan, get_backend(backend), staging.path, progress or (lambda e: None))
+        executor = _Executor(ckpt, plan, get_backend(backend), staging.path, progress or (lambda e: None))
+        written = executor.run()
         staging.commit()
     except BaseException:
         staging.abort()
         raise
-    return ConversionResult(str(ckpt.root), str(dest), plan, False, time.perf_counter() - t0, written)
+    return ConversionResult(str(ckpt.root), str(dest), plan, False, time.perf_counter() - t0, written,
+                            dict(sorted(executor.errors.items())))
 
 
-def _execute(ckpt: SourceCheckpoint, plan: ConversionPlan, backend: BackendSpec, out: Path,
-             emit: ProgressCallback) -> int:
-    files: dict[str, dict] = {}
-    total = plan.nbytes
-    done = 0
-    for shard in plan.shards:
-        size, digest, done = _write_shard(ckpt, plan, backend, shard, out, emit, done, total)
-        files[shard.name] = {"size": size, "xxh3_128": digest}
-    emit(ProgressEvent("writing", bytes_done=done, bytes_total=total))
-    for rel in plan.copied_files:
-        size, digest = copy_file(ckpt.path(rel), out / rel)
-        files[rel] = {"size": size, "xxh3_128": digest}
-    for rel, obj in _json_files(ckpt, plan).items():
-        size, digest = write_json(out / rel, obj)
-        files[rel] = {"size": size, "xxh3_128": digest}
-    fsync_paths([out / s.name for s in plan.shards])  # durable before the marker says "complete"
-    write_json(out / COMPLETE_MARKER, {
-        "format_version": plan.marker["format_version"],
-        "backend": plan.backend,
-        "tool_version": __version__,
-        "source_fingerprint": plan.marker["source"]["fingerprint"],
-        "files": dict(sorted(files.items())),
-    })
-    emit(ProgressEvent("done", bytes_done=total, bytes_total=total))
-    return sum(f["size"] for f in files.values())
+class _Executor:
+    """Runs a plan: writes every shard, copies side files, writes configs and the marker."""
+
+    def __init__(self, ckpt: SourceCheckpoint, plan: ConversionPlan, backend: BackendSpec,
+                 out: Path, emit: ProgressCallback) -> None:
+        self.ckpt, self.plan, self.backend, self.out, self.emit = ckpt, plan, backend, out, emit
+        self.modules = {m.name: m for m in plan.modules}
+        self.readers: dict[str, ShardReader] = {}
+        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> canonical (q, s)
+        self.errors: dict[str, dict] = {}
+        self.pool = BufferPool(CHUNK_BYTES, PIPELINE_DEPTH + 2)  # queued + in hand
+        self.done = 0
+
+    def run(self) -> int:
+        files: dict[str, dict] = {}
+        try:
+            for shard in self.plan.shards:
+                files[shard.name] = self._write_shard(shard)
+        finally:
+            for r in self.readers.values():
+                r.close()
+        self.emit(ProgressEvent("writing", bytes_done=self.done, bytes_total=self.plan.nbytes))
+        for rel in self.plan.copied_files:
+            files[rel] = _file_record(*copy_file(self.ckpt.path(rel), self.out / rel))
+        for rel, obj in _json_files(self.ckpt, self.plan).items():
+            files[rel] = _file_record(*write_json(self.out / rel, obj))
+        fsync_paths([self.out / s.name for s in self.plan.shards])  # durable before "complete"
+        write_json(self.out / COMPLETE_MARKER, self.completion_record(files))
+        self.emit(ProgressEvent("done", bytes_done=self.plan.nbytes, bytes_total=self.plan.nbytes))
+        return sum(f["size"] for f in files.values())
+
+    def completion_record(self, files: dict[str, dict]) -> dict:
+        return {
+            "format_version": FORMAT_VERSION,
+            "backend": self.plan.backend,
+            "tool_version": __version__,
+            "source_fingerprint": self.plan.fingerprint,
+            "quantization_errors": dict(sorted(self.errors.items())),
+            "files": dict(sorted(files.items())),
+        }
+
+    def reader(self, info) -> ShardReader:
+        if info.file not in self.readers:
+            self.readers[info.file] = ShardReader(self.ckpt.root, info.file, self.ckpt.shards[info.file].size)
+        return self.readers[info.file]
+
+    def source(self, info) -> torch.Tensor:
+        """Zero-copy view of a source tensor in its own dtype and shape."""
+        return self.reader(info).view(info.begin, info.nbytes).view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    def _write_shard(self, shard: ShardPlan) -> dict:
+        entries = [(t.name, t.dtype, t.shape, t.nbytes) for t in shard.tensors]
+        writer = ShardWriter(self.out / shard.name, entries, _shard_metadata(self.ckpt, self.plan, shard),
+                             depth=PIPELINE_DEPTH)
+        try:
+            for t in shard.tensors:
+                for n in self._produce(t, writer):
+                    self.done += n
+                    self.emit(ProgressEvent("transforming", shard.name, t.name, self.done, self.plan.nbytes))
+            return _file_record(*writer.close())
+        except BaseException:
+            writer.abort()
+            raise
+
+    def _produce(self, t: TensorPlan, writer: ShardWriter) -> Iterator[int]:
+        """Queue the output bytes of tensor ``t`` on ``writer``; yield the size of each piece."""
+        m = self.modules.get(t.module) if t.module else None
+        if m is None:
+            yield from self._copy(self.ckpt.tensors[t.source], writer, check_nan=False)
+        elif m.action in ("relayout", "keep") and m.source_backend is None:
+            yield from self._stream_mxfp8(t, m, writer)
+        else:
+            yield from self._from_canonical(t, m, writer)
+
+    def _copy(self, info, writer: ShardWriter, *, check_nan: bool) -> Iterator[int]:
+        """Unchanged bytes: copied in the kernel (copy_file_range), as cp does."""
+        reader = self.reader(info)
+        for begin, n in chunk_ranges(info, granule=1, chunk_bytes=CHUNK_BYTES):
+            src = reader.view(begin, n)
+            if check_nan and has_e4m3_nan(src):
+                raise LayoutError(f"{info.file}: weight {info.name!r} holds NaN (e4m3 byte 0x7F/0xFF) at "
+                                  f"{first_e4m3_nan(self.source(info).view(torch.uint8))}")
+            writer.copy(reader.fd, begin, src, lambda _, b=begin, k=n: reader.drop(b, k))
+            yield n
+
+    def _stream_mxfp8(self, t: TensorPlan, m: ModulePlan, writer: ShardWriter) -> Iterator[int]:
+        """Canonical MXFP8 source: the weight streams chunk by chunk, never whole in memory."""
+        info = self.ckpt.tensors[t.source]
+        if t.role == "weight_scale":
+            s = self.source(info)
+            check_scale_codes(s, info.name)
+            laid = layout_scale(t, self.backend, s)
+            if laid.data_ptr() == s.data_ptr():  # kept canonical: same bytes
+                yield from self._copy(info, writer, check_nan=False)
+                return
+            writer.write(laid.reshape(-1))
+            yield info.nbytes
+            return
+        granule = weight_granule(t)
+        if granule == 1:
+            yield from self._copy(info, writer, check_nan=True)
+            return
+        reader = self.reader(info)
+        for begin, n in chunk_ranges(info, granule=granule, chunk_bytes=CHUNK_BYTES):
+            src = reader.view(begin, n)
+            if has_e4m3_nan(src):
+                raise LayoutError(f"{info.file}: weight {info.name!r} holds NaN (e4m3 byte 0x7F/0xFF) at "
+                                  f"{first_e4m3_nan(self.source(info).view(torch.uint8))}")
+            laid = layout_weight_chunk(t, self.backend, src, self.pool.get(n))
+            reader.drop(begin, n)
+            writer.write(laid, self.pool.release)
+            yield n
+
+    def _canonical(self, m: ModulePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        if m.name not in self.pending:
+            scale = self.source(m.scale) if m.scale is not None else None
+            src = BACKENDS[m.source_backend] if m.source_backend else None
+            q, s, err = canonical_module(m, self.source(m.weight), scale, src)
+            if err is not None:
+                self.errors[m.name] = {"action": m.action, **err.to_dict()}
+            self.pending[m.name] = (q, s)
+        return self.pending[m.name]
+
+    def _from_canonical(self, t: TensorPlan, m: ModulePlan, writer: ShardWriter) -> Iterator[int]:
+        """Sources whose canonical bytes must be computed first (laid out, FP8, dense): one
+        module at a time in memory, released once both of its tensors are written."""
+        q, s = self._canonical(m)
+        if t.role == "weight_scale":
+            writer.write(layout_scale(t, self.backend, s).reshape(-1))
+            self.pending.pop(m.name)
+            yield t.nbytes
+            return
+        flat = q.reshape(-1)
+        granule = weight_granule(t)
+        step = max(granule, CHUNK_BYTES // granule * granule)
+        for begin in range(0, flat.numel(), step):
+            chunk = flat[begin:begin + step]
+            if granule == 1:  # bytes unchanged: write the canonical tensor as it is
+                writer.write(chunk)
+            else:
+                writer.write(layout_weight_chunk(t, self.backend, chunk, self.pool.get(chunk.numel())),
+                             self.pool.release)
+            yield chunk.numel()
+
+
+def _file_record(size: int, digest: str) -> dict:
+    return {"size": size, "xxh3_128": digest}
 
 
 def _json_files(ckpt: SourceCheckpoint, plan: ConversionPlan) -> dict[str, dict]:
@@ -196,68 +337,19 @@ def _json_files(ckpt: SourceCheckpoint, plan: ConversionPlan) -> dict[str, dict]
     config["quantization_config"] = plan.marker
     out = {"config.json": config}
     if plan.indexed or len(plan.shards) > 1:
-        out[INDEX_NAME] = {
-            "metadata": {"total_size": plan.nbytes, "mxfp8_convert": plan.marker},
-            "weight_map": {t.name: s.name for s in plan.shards for t in s.tensors},
-        }
+        meta = {"total_size": plan.nbytes}
+        if plan.marker.get("quant_method") == LAID_OUT_QUANT_METHOD:
+            meta["mxfp8_convert"] = plan.marker
+        out[INDEX_NAME] = {"metadata": meta, "weight_map": {t.name: s.name for s in plan.shards for t in s.tensors}}
     return out
 
 
 def _shard_metadata(ckpt: SourceCheckpoint, plan: ConversionPlan, shard: ShardPlan) -> dict[str, str]:
-    meta = dict(ckpt.shards[shard.name].metadata)
+    meta = {k: v for k, v in ckpt.shards[shard.name].metadata.items() if not k.startswith("mxfp8_convert")}
     meta.setdefault("format", "pt")
+    if plan.marker.get("quant_method") != LAID_OUT_QUANT_METHOD:
+        return meta  # canonical output: plain MXFP8, no marker
     meta["mxfp8_convert"] = json.dumps(plan.marker, sort_keys=True, separators=(",", ":"))
     records = {t.name: t.record() for t in shard.tensors if t.role != "passthrough"}
     meta["mxfp8_convert.tensors"] = json.dumps(records, sort_keys=True, separators=(",", ":"))
     return meta
-
-
-def _write_shard(ckpt, plan, backend, shard: ShardPlan, out: Path, emit, done: int, total: int):
-    entries = [(t.name, t.dtype, t.shape, t.nbytes) for t in shard.tensors]
-    writer = ShardWriter(out / shard.name, entries, _shard_metadata(ckpt, plan, shard), depth=PIPELINE_DEPTH)
-    pool = BufferPool(CHUNK_BYTES, PIPELINE_DEPTH + 2)  # queued + in hand
-    readers: dict[str, ShardReader] = {}
-    try:
-        for t in shard.tensors:
-            info = ckpt.tensors[t.source]
-            if info.file not in readers:
-                readers[info.file] = ShardReader(ckpt.root, info.file, ckpt.shards[info.file].size)
-            for n in _produce(readers[info.file], backend, t, info, writer, pool):
-                done += n
-                emit(ProgressEvent("transforming", shard.name, t.name, done, total))
-        size, digest = writer.close()
-    except BaseException:
-        writer.abort()
-        raise
-    finally:
-        for r in readers.values():
-            r.close()
-    return size, digest, done
-
-
-def _produce(reader: ShardReader, backend: BackendSpec, t: TensorPlan, info, writer: ShardWriter,
-             pool: BufferPool) -> Iterator[int]:
-    """Queue the output bytes of tensor ``t`` on ``writer``; yield the byte count of each piece.
-
-    Bytes that do not change are copied in the kernel (copy_file_range, as cp does); a P32
-    weight is shuffled chunk by chunk from the source's page cache into a pooled buffer.
-    """
-    if t.role == "weight_scale":
-        s = reader.view(info.begin, info.nbytes).view(torch_dtype(info.dtype)).reshape(info.shape)
-        laid = layout_scale(t, backend, s)
-        if laid.data_ptr() == s.data_ptr():  # kept canonical: same bytes
-            writer.copy(reader.fd, info.begin, s.reshape(-1).view(torch.uint8))
-        else:
-            writer.write(laid.reshape(-1))
-        yield info.nbytes
-        return
-    granule = weight_granule(t)
-    for begin, n in chunk_ranges(info, granule=granule, chunk_bytes=CHUNK_BYTES):
-        src = reader.view(begin, n)
-        if granule == 1:
-            writer.copy(reader.fd, begin, src, lambda _, b=begin, m=n: reader.drop(b, m))
-        else:
-            laid = layout_weight_chunk(t, backend, src, pool.get(n))
-            reader.drop(begin, n)
-            writer.write(laid, pool.release)
-        yield n

@@ -10,11 +10,13 @@ from __future__ import annotations
 
 import fnmatch
 import hashlib
+import math
 import re
 from dataclasses import dataclass, field
 
 from mxfp8_convert import __version__
 from mxfp8_convert.backends import (
+    BACKENDS,
     EPILOGUE_TILE_M,
     FLASHINFER_LAYOUT_VERSION,
     FORMAT_VERSION,
@@ -24,7 +26,8 @@ from mxfp8_convert.dtypes import FLOAT_DTYPES, UE8M0_DTYPES, itemsize
 from mxfp8_convert.errors import FormatError, IneligibleError, LayoutError, SourceError
 from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD, FormatSpec
 from mxfp8_convert.layouts._common import ceil_to
-from mxfp8_convert.read import SourceCheckpoint, TensorInfo
+from mxfp8_convert.quantize import fp8_scales_are_pow2
+from mxfp8_convert.read import SourceCheckpoint, TensorInfo, read_tensor
 
 #: output scale tensor suffix of a laid-out module (docs/FORMAT.md section 3)
 SWIZZLED_SUFFIX = "weight_scale_swizzled"
@@ -48,16 +51,29 @@ class ModulePlan:
     k: int
     weight: TensorInfo
     scale: TensorInfo | None
-    action: str  # "relayout" | "keep" | "expand_block" | "requantize" | "quantize"
-    layout: str  # backend weight layout, or "canonical"
+    action: str  # see ACTIONS
+    layout: str  # output weight layout: a backend's, or "canonical"
     reason: str | None = None  # why kept canonical
+    source_kind: str = "mxfp8"  # FormatSpec.kind of the source
+    source_backend: str | None = None  # laid-out sources: the backend their bytes are laid out for
 
     def to_dict(self) -> dict:
         return {
             "name": self.name, "shape": [self.n, self.k], "action": self.action,
-            "layout": self.layout, "reason": self.reason,
+            "layout": self.layout, "reason": self.reason, "source_kind": self.source_kind,
+            "source_backend": self.source_backend,
             "weight": self.weight.name, "scale": self.scale.name if self.scale else None,
         }
+
+
+#: what happens to a linear module
+ACTIONS = {
+    "relayout": "MXFP8 bytes kept, re-laid out",
+    "keep": "left in canonical MXFP8 (the backend cannot take it)",
+    "lossless": "FP8 bytes kept, power-of-two scales mapped exactly to UE8M0",
+    "requantize": "FP8 dequantized and requantized to MXFP8 (error reported)",
+    "quantize": "high-precision weight quantized to MXFP8 (error reported)",
+}
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,6 +138,7 @@ class ConversionPlan:
     copied_files: tuple[str, ...]
     marker: dict
     indexed: bool
+    fingerprint: str
     kept: tuple[str, ...] = field(default=())
 
     @property
@@ -137,6 +154,7 @@ class ConversionPlan:
             "total_bytes": self.nbytes, "modules_by_action": actions, "kept_canonical": list(self.kept),
             "modules": [m.to_dict() for m in self.modules],
             "shards": [s.to_dict() for s in self.shards], "copied_files": list(self.copied_files),
+            "source_fingerprint": self.fingerprint,
             "marker": self.marker,
         }
 
@@ -167,28 +185,30 @@ def find_modules(ckpt: SourceCheckpoint, fmt: FormatSpec, ignore: list[str]) -> 
                 continue
             out.append((module, info, None))
         return sorted(out, key=lambda m: m[0])
-    suffix = "." + fmt.scale_suffix
+    suffixes = _scale_suffixes(fmt)
     for name, info in tensors.items():
-        if name.endswith(suffix):
-            module = name[: -len(suffix)]
-            if module + ".weight" not in tensors:
-                raise SourceError(f"{info.file}: scale {name!r} has no weight {module + '.weight'!r}")
+        for suffix in suffixes:
+            if name.endswith("." + suffix) and name[: -len(suffix)] + "weight" not in tensors:
+                raise SourceError(f"{info.file}: scale {name!r} has no weight {name[: -len(suffix)] + 'weight'!r}")
         if not name.endswith(".weight") or info.dtype != "F8_E4M3":
             continue
         module = name[: -len(".weight")]
-        scale = tensors.get(module + suffix)
+        scale = next((tensors[f"{module}.{x}"] for x in suffixes if f"{module}.{x}" in tensors), None)
         if scale is None:
-            raise SourceError(f"{info.file}: weight {name!r} is float8_e4m3fn but has no scale {module + suffix!r}")
-        out.append((module, info, scale))
+            raise SourceError(f"{info.file}: weight {name!r} is float8_e4m3fn but has no scale "
+                              f"{module + '.' + suffixes[0]!r}")
+        if not _matches_any(module, ignore):
+            out.append((module, info, scale))
     return sorted(out, key=lambda m: m[0])
 
 
+def _scale_suffixes(fmt: FormatSpec) -> tuple[str, ...]:
+    # a laid-out checkpoint holds swizzled scales, and canonical ones for modules it kept
+    return (SWIZZLED_SUFFIX, CANONICAL_SUFFIX) if fmt.kind == "laid_out" else (fmt.scale_suffix,)
+
+
 def _check_mxfp8_pair(w: TensorInfo, s: TensorInfo) -> tuple[int, int]:
-    if len(w.shape) != 2:
-        raise LayoutError(f"{w.file}: weight {w.name!r} has shape {list(w.shape)}; only 2-D linear weights are supported")
-    n, k = w.shape
-    if k % 32:
-        raise LayoutError(f"{w.file}: weight {w.name!r} has K={k}, not a multiple of 32 (MXFP8 blocks are 1x32)")
+    n, k = _check_weight(w)
     if s.dtype not in UE8M0_DTYPES:
         raise LayoutError(f"{s.file}: scale {s.name!r} has dtype {s.dtype}; MXFP8 scales are U8 or F8_E8M0")
     if tuple(s.shape) != (n, k // 32):
@@ -196,24 +216,86 @@ def _check_mxfp8_pair(w: TensorInfo, s: TensorInfo) -> tuple[int, int]:
     return n, k
 
 
+def _check_weight(w: TensorInfo) -> tuple[int, int]:
+    if len(w.shape) != 2:
+        raise LayoutError(f"{w.file}: weight {w.name!r} has shape {list(w.shape)}; only 2-D linear weights are supported")
+    n, k = w.shape
+    if k % 32:
+        raise LayoutError(f"{w.file}: weight {w.name!r} has K={k}, not a multiple of 32 (MXFP8 blocks are 1x32)")
+    return n, k
+
+
+def _check_laid_out_pair(w: TensorInfo, s: TensorInfo, src: BackendSpec) -> tuple[int, int]:
+    n, k = _check_weight(w)
+    if s.name.endswith("." + CANONICAL_SUFFIX):
+        return _check_mxfp8_pair(w, s)
+    want = tuple(src.scale_shape(n, k // 32))
+    if s.dtype != "U8" or tuple(s.shape) != want:
+        raise LayoutError(f"{s.file}: scale {s.name!r} is {s.dtype} {list(s.shape)}; a {src.name} scale of "
+                          f"weight {w.name!r} [{n}, {k}] is U8 {list(want)}")
+    return n, k
+
+
+def _check_fp8_pair(ckpt: SourceCheckpoint, fmt: FormatSpec, w: TensorInfo, s: TensorInfo) -> tuple[int, int, bool]:
+    """Shapes of a block/per-tensor FP8 pair, and whether it converts losslessly (reads the
+    small float scale tensor: the only tensor data the plan ever reads)."""
+    n, k = _check_weight(w)
+    if s.dtype not in FLOAT_DTYPES:
+        raise LayoutError(f"{s.file}: scale {s.name!r} has dtype {s.dtype}; FP8 scales are floating point")
+    if fmt.kind == "block_fp8":
+        want = (-(-n // 128), -(-k // 128))
+        if tuple(s.shape) != want:
+            raise LayoutError(f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; weight {w.name!r} "
+                              f"[{n}, {k}] with 128x128 blocks needs {list(want)}")
+    elif math.prod(s.shape) not in (1, n) or len(s.shape) > 2:
+        raise LayoutError(f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; per-tensor or per-channel "
+                          f"scales of weight {w.name!r} [{n}, {k}] are [], [1], [{n}] or [{n}, 1]")
+    return n, k, fp8_scales_are_pow2(read_tensor(ckpt.root, s), name=s.name)
+
+
+def _source_backend(ckpt: SourceCheckpoint, fmt: FormatSpec) -> BackendSpec | None:
+    if fmt.kind != "laid_out":
+        return None
+    marker = (ckpt.config or {}).get("quantization_config") or {}
+    if marker.get("format_version") != FORMAT_VERSION:
+        raise FormatError(f"{ckpt.root}: mxfp8-convert format_version {marker.get('format_version')!r} "
+                          f"is not {FORMAT_VERSION}", hint="use the mxfp8-convert release that wrote it")
+    name = marker.get("backend")
+    if name not in BACKENDS or not BACKENDS[name].laid_out:
+        raise FormatError(f"config.json: unknown mxfp8-convert backend {name!r}")
+    return BACKENDS[name]
+
+
+def _classify(ckpt, fmt, src, w, s) -> tuple[int, int, str]:
+    """(N, K, action before backend constraints) of one module."""
+    if fmt.kind == "dense":
+        n, k = _check_weight(w)
+        return n, k, "quantize"
+    if fmt.kind in ("block_fp8", "fp8"):
+        n, k, lossless = _check_fp8_pair(ckpt, fmt, w, s)
+        return n, k, "lossless" if lossless else "requantize"
+    n, k = _check_laid_out_pair(w, s, src) if src is not None else _check_mxfp8_pair(w, s)
+    return n, k, "relayout"
+
+
 def _module_plans(ckpt, fmt, backend: BackendSpec, ignore, on_ineligible) -> list[ModulePlan]:
-    if fmt.kind == "laid_out":
-        raise FormatError(
-            f"{ckpt.root}: already laid out by mxfp8-convert "
-            f"(backend {((ckpt.config or {}).get('quantization_config') or {}).get('backend')!r})",
-            hint="use --backend canonical to turn it back into plain MXFP8 first",
-        )
-    if fmt.kind != "mxfp8":
-        raise FormatError(f"{ckpt.root}: source format {fmt.name!r} ({fmt.description}) is not supported yet")
+    src = _source_backend(ckpt, fmt)
+    if src is not None and src.name == backend.name:
+        raise FormatError(f"{ckpt.root}: already laid out for {backend.name}",
+                          hint="nothing to do; use --backend canonical to get plain MXFP8 back")
     plans, offenders = [], []
     for module, w, s in find_modules(ckpt, fmt, ignore):
-        n, k = _check_mxfp8_pair(w, s)
+        n, k, action = _classify(ckpt, fmt, src, w, s)
         bad = backend.violations(n, k)
         if bad and on_ineligible == "error":
             offenders.append(f"{w.name} [{n}, {k}]: {', '.join(bad)}")
             continue
-        action, layout, reason = ("keep", "canonical", "; ".join(bad)) if bad else ("relayout", backend.weight_layout, None)
-        plans.append(ModulePlan(module, n, k, w, s, action, layout, reason))
+        layout, reason = backend.weight_layout, None
+        if bad:
+            layout, reason = "canonical", "; ".join(bad)
+            action = "keep" if action == "relayout" else action
+        src_name = src.name if src is not None and s.name.endswith("." + SWIZZLED_SUFFIX) else None
+        plans.append(ModulePlan(module, n, k, w, s, action, layout, reason, fmt.kind, src_name))
     if offenders:
         raise IneligibleError(
             f"{len(offenders)} tensor(s) do not fit backend {backend.name}: " + "; ".join(offenders),
@@ -225,11 +307,11 @@ def _module_plans(ckpt, fmt, backend: BackendSpec, ignore, on_ineligible) -> lis
 
 def _module_tensors(m: ModulePlan, backend: BackendSpec) -> list[TensorPlan]:
     c = m.k // 32
-    if m.action == "keep":
+    if m.layout == "canonical":
         return [
             TensorPlan(m.weight.name, "weight", "F8_E4M3", (m.n, m.k), "canonical", m.weight.name, m.name),
             TensorPlan(f"{m.name}.{CANONICAL_SUFFIX}", "weight_scale", "U8", (m.n, c), "canonical",
-                       m.scale.name, m.name, (m.n, c)),
+                       m.scale.name if m.scale else m.weight.name, m.name, (m.n, c)),
         ]
     return [
         TensorPlan(m.weight.name, "weight", "F8_E4M3", (m.n, m.k), backend.weight_layout, m.weight.name, m.name),
@@ -288,13 +370,34 @@ def build_plan(
     return ConversionPlan(
         source=str(ckpt.root), backend=backend.name, format=fmt.name, shards=shards,
         modules=tuple(modules), copied_files=ckpt.other_files, marker=marker, indexed=ckpt.indexed,
-        kept=tuple(m.name for m in modules if m.action == "keep"),
+        fingerprint=fingerprint(ckpt),
+        kept=tuple(m.name for m in modules if m.layout == "canonical" and backend.laid_out),
     )
+
+
+def _original_config(ckpt: SourceCheckpoint) -> dict | None:
+    """The source's own quantization_config; for one of our outputs, the one it came from."""
+    q = (ckpt.config or {}).get("quantization_config")
+    if isinstance(q, dict) and q.get("quant_method") == LAID_OUT_QUANT_METHOD:
+        q = q.get("original_quantization_config")
+    return q if isinstance(q, dict) else None
+
+
+def canonical_config(original: dict | None, ignored: list[str]) -> dict:
+    """quantization_config of plain SGLang/Miles MXFP8 output (SPEC section 4)."""
+    if original and original.get("quant_method") == "mxfp8":
+        return original  # came from SGLang MXFP8: give its config back untouched
+    return {"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
+            "activation_scheme": "dynamic", "ignored_layers": sorted(set(ignored))}
 
 
 def make_marker(ckpt: SourceCheckpoint, backend: BackendSpec, fmt: FormatSpec, ignored: list[str]) -> dict:
     """The ``quantization_config`` of the output (docs/FORMAT.md section 2)."""
-    original = (ckpt.config or {}).get("quantization_config")
+    original = _original_config(ckpt)
+    if fmt.kind == "laid_out":
+        ignored = ignored + list(((ckpt.config or {}).get("quantization_config") or {}).get("ignored_layers") or [])
+    if not backend.laid_out:
+        return canonical_config(original, ignored)
     return {
         "quant_method": LAID_OUT_QUANT_METHOD,
         "format_version": FORMAT_VERSION,
@@ -310,5 +413,5 @@ def make_marker(ckpt: SourceCheckpoint, backend: BackendSpec, fmt: FormatSpec, i
         "tool": {"name": "mxfp8-convert", "version": __version__},
         "source": {"dialect": fmt.name, "fingerprint": fingerprint(ckpt), "fingerprint_method": "headers-v1"},
         "ignored_layers": sorted(set(ignored)),
-        "original_quantization_config": original if isinstance(original, dict) else None,
+        "original_quantization_config": original,
     }

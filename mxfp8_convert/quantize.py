@@ -587,3 +587,13 @@ def per_tensor_fp8_to_mxfp8(
         )
     scale = _source_scale_f32(weight_scale, scale_name).reshape(rows, 1).to(w.device)
     return _scaled_fp8_to_mxfp8(w, scale, block, name, chunk_rows)
+
+
+def fp8_scales_are_pow2(scale: torch.Tensor, *, name: str = "scale") -> bool:
+    """True when every multiplier in ``scale`` is an exact power of two in ``[2^-127, 2^127]``:
+    then an FP8 source converts to MXFP8 losslessly (bytes kept, scales mapped exactly).
+
+    Raises:
+        LayoutError: a zero, negative, NaN or Inf scale (naming ``name``).
+    """
+    return _exact_pow2_codes(_source_scale_f32(scale, name)) is not None

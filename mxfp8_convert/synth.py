@@ -16,6 +16,8 @@ import torch
 from safetensors.torch import save_file
 
 MXFP8_DIALECTS = ("sglang_mxfp8", "compressed_tensors_mxfp8", "modelopt_mxfp8")
+FP8_DIALECTS = ("block_fp8", "compressed_tensors_block_fp8", "fp8", "compressed_tensors_fp8")
+ALL_DIALECTS = (*MXFP8_DIALECTS, *FP8_DIALECTS, "dense")
 
 
 @dataclass(frozen=True, slots=True)
@@ -30,6 +32,12 @@ class SynthSpec:
     dialect: str = "sglang_mxfp8"
     scale_dtype: torch.dtype = torch.uint8  # or torch.float8_e8m0fnu
     seed: int = 0
+    #: FP8 dialects: power-of-two scales (lossless) or arbitrary ones (requantized)
+    pow2_scales: bool = True
+    #: fp8 dialects: per-channel [N, 1] scales instead of one per tensor
+    per_channel: bool = False
+    #: more linears, e.g. DeepSeek MLA shapes: (module, N, K)
+    extra_modules: tuple[tuple[str, int, int], ...] = ()
 
 
 def random_e4m3(shape, gen: torch.Generator) -> torch.Tensor:
@@ -42,6 +50,14 @@ def random_e4m3(shape, gen: torch.Generator) -> torch.Tensor:
 def random_scales(shape, gen: torch.Generator, dtype=torch.uint8) -> torch.Tensor:
     s = torch.randint(112, 128, shape, generator=gen, dtype=torch.int16).to(torch.uint8)
     return s if dtype == torch.uint8 else s.view(dtype)
+
+
+def fp8_scales(shape, gen: torch.Generator, *, pow2: bool) -> torch.Tensor:
+    """float32 multipliers: powers of two (2^-10..2^-6), or arbitrary values in the same range."""
+    e = torch.randint(-10, -6, shape, generator=gen).to(torch.float32)
+    if pow2:
+        return torch.exp2(e)
+    return torch.exp2(e) * (1 + torch.rand(shape, generator=gen))
 
 
 def linear_names(spec: SynthSpec) -> list[tuple[str, int, int]]:
@@ -60,11 +76,13 @@ def linear_names(spec: SynthSpec) -> list[tuple[str, int, int]]:
             (f"{p}.mlp.up_proj", i, h),
             (f"{p}.mlp.down_proj", h, i),
         ]
-    return out
+    return out + list(spec.extra_modules)
 
 
-def scale_suffix(dialect: str) -> str:
-    return "weight_scale_inv" if dialect == "sglang_mxfp8" else "weight_scale"
+def scale_suffix(dialect: str) -> str | None:
+    if dialect == "dense":
+        return None
+    return "weight_scale_inv" if dialect in ("sglang_mxfp8", "block_fp8") else "weight_scale"
 
 
 def quantization_config(dialect: str) -> tuple[dict | None, dict | None]:
@@ -84,6 +102,21 @@ def quantization_config(dialect: str) -> tuple[dict | None, dict | None]:
         return ({"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": ["lm_head"]},
                 {"producer": {"name": "modelopt", "version": "0.37.0"},
                  "quantization": {"quant_algo": "MXFP8", "group_size": 32, "exclude_modules": ["lm_head"]}})
+    if dialect == "block_fp8":  # DeepSeek-V3 style
+        return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+                "activation_scheme": "dynamic", "scale_fmt": "ue8m0"}, None
+    if dialect in ("compressed_tensors_block_fp8", "compressed_tensors_fp8"):
+        strategy = "block" if dialect.endswith("block_fp8") else "channel"
+        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+        if strategy == "block":
+            weights["block_structure"] = [128, 128]
+        return {"quant_method": "compressed-tensors", "format": "float-quantized",
+                "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
+                "ignore": ["lm_head"]}, None
+    if dialect == "fp8":
+        return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}, None
+    if dialect == "dense":
+        return None, None
     raise ValueError(f"unknown dialect {dialect!r}")
 
 
@@ -95,7 +128,7 @@ def model_config(spec: SynthSpec) -> dict:
         "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads, "vocab_size": spec.vocab,
         "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
-        "quantization_config": q,
+        **({"quantization_config": q} if q else {}),
     }
 
 
@@ -109,8 +142,22 @@ def make_tensors(spec: SynthSpec) -> dict[str, torch.Tensor]:
         for norm in ("input_layernorm", "post_attention_layernorm"):
             t[f"model.layers.{layer}.{norm}.weight"] = torch.ones(spec.hidden, dtype=torch.bfloat16)
     for module, n, k in linear_names(spec):
+        if spec.dialect == "dense":
+            t[f"{module}.weight"] = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
+            continue
         t[f"{module}.weight"] = random_e4m3((n, k), gen)
-        t[f"{module}.{suffix}"] = random_scales((n, k // 32), gen, spec.scale_dtype)
+        if spec.dialect in MXFP8_DIALECTS:
+            t[f"{module}.{suffix}"] = random_scales((n, k // 32), gen, spec.scale_dtype)
+            continue
+        if "block" in spec.dialect:
+            shape = (-(-n // 128), -(-k // 128))
+        elif spec.per_channel or spec.dialect == "compressed_tensors_fp8":
+            shape = (n, 1)
+        else:
+            shape = ()
+        t[f"{module}.{suffix}"] = fp8_scales(shape, gen, pow2=spec.pow2_scales)
+        if spec.dialect in ("fp8", "compressed_tensors_fp8"):
+            t[f"{module}.input_scale"] = torch.tensor(0.0125, dtype=torch.float32)
     t["model.norm.weight"] = torch.ones(spec.hidden, dtype=torch.bfloat16)
     t["lm_head.weight"] = (torch.randn(spec.vocab, spec.hidden, generator=gen) * 0.02).to(torch.bfloat16)
     return t

@@ -12,7 +12,14 @@ import torch
 from mxfp8_convert.backends import BackendSpec
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts.rows import P32_BLOCK
-from mxfp8_convert.plan import TensorPlan
+from mxfp8_convert.plan import ModulePlan, TensorPlan
+from mxfp8_convert.quantize import (
+    QuantError,
+    block_fp8_to_mxfp8,
+    per_tensor_fp8_to_mxfp8,
+    quantization_error,
+    quantize_mxfp8,
+)
 
 
 def weight_granule(t: TensorPlan) -> int:
@@ -49,3 +56,75 @@ def layout_scale(t: TensorPlan, backend: BackendSpec, s: torch.Tensor) -> torch.
     if tuple(out.shape) != tuple(t.shape):
         raise LayoutError(f"scale {t.name!r}: laid out to {list(out.shape)}, planned {list(t.shape)} (bug)")
     return out
+
+
+def canonical_module(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor | None,
+                     src_backend: BackendSpec | None) -> tuple[torch.Tensor, torch.Tensor, QuantError | None]:
+    """A module's canonical MXFP8: (uint8 ``[N, K]``, uint8 ``[N, K/32]``, error or None).
+
+    Args:
+        m: the module's plan (its ``action`` and ``source_kind`` say which path).
+        weight: the source weight as stored (its dtype and shape).
+        scale: the source scale as stored, or None for a dense source.
+        src_backend: for a laid-out source, the backend its bytes follow.
+
+    Raises:
+        LayoutError: NaN/Inf in the source, a scale byte of 255, bad shapes (naming the tensor).
+    """
+    name = m.weight.name
+    if m.source_kind == "dense":
+        ref = weight.reshape(m.n, m.k)
+        q, s = quantize_mxfp8(ref, name=name)
+        return q.view(torch.uint8), s, quantization_error(ref, q, s, name=name)
+    if m.source_kind == "block_fp8":
+        r = block_fp8_to_mxfp8(weight, scale, name=name, scale_name=m.scale.name)
+        return r.q.view(torch.uint8), r.s, r.error
+    if m.source_kind == "fp8":
+        r = per_tensor_fp8_to_mxfp8(weight, scale, name=name, scale_name=m.scale.name)
+        return r.q.view(torch.uint8), r.s, r.error
+    w = weight.reshape(m.n, m.k).view(torch.uint8)
+    s = scale.view(torch.uint8)
+    if src_backend is not None:  # undo the source's layout
+        w = src_backend.weight_inverse(w)
+        s = src_backend.scale_inverse(s, m.n, m.k // 32)
+    check_scale_codes(s.reshape(m.n, m.k // 32), m.scale.name)
+    return w, s.reshape(m.n, m.k // 32), None
+
+
+def check_scale_codes(s: torch.Tensor, name: str) -> None:
+    """UE8M0 byte 255 is NaN: refuse it, naming the tensor and the first position."""
+    bad = s.view(torch.uint8) == 255
+    if bool(bad.any()):
+        idx = [int(i) for i in bad.nonzero()[0]]
+        raise LayoutError(f"scale {name!r} holds NaN (UE8M0 byte 255) at {idx}")
+
+
+_M7 = 0x7F7F7F7F7F7F7F7F
+_ONES = 0x0101010101010101
+_HIGH = -0x7F7F7F7F7F7F7F80  # 0x8080808080808080 as a signed int64
+
+
+def has_e4m3_nan(chunk: torch.Tensor) -> bool:
+    """Whether uint8 ``chunk`` (e4m3 bytes) holds a NaN code (0x7F or 0xFF).
+
+    Word-parallel: with ``y = b & 0x7F`` per byte, ``y + 1`` sets bit 7 exactly when ``y == 0x7F``
+    and never carries into the next byte, so 8 bytes are tested per int64 operation.
+    """
+    c = chunk.reshape(-1).view(torch.uint8)
+    head = c.numel() // 8 * 8
+    if c.storage_offset() % 8:
+        c = c.clone()
+    if head:
+        y = c[:head].view(torch.int64) & _M7
+        y += _ONES
+        y &= _HIGH
+        if bool(y.any()):
+            return True
+    tail = c[head:]
+    return bool(((tail & 0x7F) == 0x7F).any())
+
+
+def first_e4m3_nan(w: torch.Tensor) -> list[int]:
+    """Index ``[row, col]`` of the first NaN byte of a 2-D e4m3/uint8 tensor."""
+    bad = (w.view(torch.uint8) & 0x7F) == 0x7F
+    return [int(i) for i in bad.nonzero()[0]]
