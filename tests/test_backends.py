@@ -14,11 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mxfp8_convert.backends import BACKENDS, FLASHINFER_LAYOUT_VERSION, get_backend
+from mxfp8_convert.backends import BACKENDS, FLASHINFER_LAYOUT_VERSION, KERNEL_BACKENDS, get_backend
 from mxfp8_convert.errors import ConvertError
 from mxfp8_convert.layouts import swizzle_128x4, unswizzle_128x4
 
-NAMES = list(BACKENDS)
+# kernel backends (FlashInfer mm_mxfp8 layouts); the canonical target is tested at the end
+NAMES = list(KERNEL_BACKENDS)
 
 # (N, K) -> backend -> exact violation phrases (SPEC.md section 3).
 VIOLATIONS = {
@@ -215,3 +216,14 @@ def test_get_backend():
     with pytest.raises(ConvertError, match="^unknown backend 'nope'$") as info:
         get_backend("nope")
     assert info.value.hint == f"choose one of: {', '.join(BACKENDS)}"
+
+
+def test_canonical_target_is_plain_mxfp8():
+    spec = BACKENDS["canonical"]
+    assert not spec.laid_out and spec.compute_capabilities == ()
+    assert set(BACKENDS) - set(KERNEL_BACKENDS) == {"canonical"}
+    assert spec.violations(576, 7200) == [] and spec.violations(100, 96) == []
+    assert spec.violations(4096, 100) == ["K=100 is not a multiple of 32"]
+    s = torch.randint(0, 256, (100, 3), dtype=torch.uint8)
+    assert spec.scale_forward(s) is s and spec.scale_shape(100, 3) == (100, 3)
+    assert torch.equal(spec.scale_inverse(s, 100, 3), s)

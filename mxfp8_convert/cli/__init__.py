@@ -26,6 +26,10 @@ Examples:
 
   mxfp8-convert ./model --backend trtllm --on-ineligible keep
 
+  mxfp8-convert verify ./Llama-3-8B-MXFP8-trtllm --source ./Llama-3-8B-MXFP8
+
+  mxfp8-convert inspect deepseek-ai/DeepSeek-V3 --json
+
 Exit codes: 0 done, 1 conversion or verification failed, 2 usage error, 130 interrupted.
 """
 
@@ -65,7 +69,7 @@ def _root(
 @app.command("convert", epilog=EPILOG)
 def convert_cmd(
     model: ModelArg,
-    backend: Annotated[str, typer.Option("--backend", "-b", help="Target layout: trtllm or cutlass.",
+    backend: Annotated[str, typer.Option("--backend", "-b", help="Target layout: trtllm, cutlass, or canonical (plain MXFP8, the way back).",
                                          show_default=False)],
     output: Annotated[str | None, typer.Option("--output", "-o", help="Output folder [default: MODEL-BACKEND beside MODEL].")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")] = False,
@@ -117,6 +121,75 @@ def _render_convert(console, result) -> None:
     if plan.kept:
         summary.append(["kept canonical", ", ".join(plan.kept)])
     console.print(table("Converted", ["", ""], summary))
+
+
+@app.command("verify")
+def verify_cmd(
+    path: Annotated[str, typer.Argument(metavar="OUT", help="A folder written by mxfp8-convert.")],
+    source: Annotated[str | None, typer.Option("--source", help="The checkpoint it was converted from: invert every layout and compare bytes.")] = None,
+    no_hashes: Annotated[bool, typer.Option("--no-hashes", help="Skip re-hashing every file.")] = False,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Check an output: completion and layout markers, every tensor's shape and dtype, and, with
+    --source, every byte against the source. Exit 1 on any mismatch."""
+    from mxfp8_convert.verify import verify
+
+    out = Output(as_json=as_json, quiet=quiet)
+    with handle_errors(out, debug=debug):
+        report = verify(path, source, check_hashes=not no_hashes)
+    out.result(report.to_dict(), lambda console: _render_verify(console, report))
+    if not report.ok:
+        first = report.mismatches[0]
+        more = f" (+{len(report.mismatches) - 1} more)" if len(report.mismatches) > 1 else ""
+        out.error(f"verification failed: {first}{more}")
+        raise typer.Exit(1)
+
+
+def _render_verify(console, report) -> None:
+    rows = [["path", report.path], ["backend", str(report.backend)], ["files checked", str(report.files_checked)],
+            ["tensors checked", str(report.tensors_checked)]]
+    if report.source:
+        rows += [["source", report.source], ["modules compared", str(report.modules_compared)]]
+    rows.append(["result", "OK" if report.ok else f"{len(report.mismatches)} mismatch(es)"])
+    console.print(table("Verify", ["", ""], rows))
+    if report.mismatches:
+        console.print(table("Mismatches", ["where", "what", "first position"],
+                            [[m.where, m.what, str(m.position)] for m in report.mismatches[:50]]))
+
+
+@app.command("inspect")
+def inspect_cmd(
+    path: ModelArg,
+    source_format: Annotated[str | None, typer.Option("--source-format", help="Override format detection.")] = None,
+    revision: RevisionOpt = None,
+    as_json: JsonOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Describe a checkpoint (source or output): format or layout, bytes by role, and per linear
+    module whether each backend can take it and why not."""
+    from mxfp8_convert.inspection import inspect_checkpoint
+
+    out = Output(as_json=as_json)
+    with handle_errors(out, debug=debug):
+        report = inspect_checkpoint(path, source_format=source_format, revision=revision)
+    out.result(report.to_dict(), lambda console: _render_inspect(console, report))
+
+
+def _render_inspect(console, report) -> None:
+    head = [["path", report.path], ["format", f"{report.format} ({report.kind})"], ["shards", str(report.shards)]]
+    if report.backend:
+        head.append(["laid out for", f"{report.backend} (complete: {report.complete})"])
+    for role in sorted(report.bytes_by_role):
+        head.append([f"{role} tensors", f"{report.count_by_role[role]} ({human_bytes(report.bytes_by_role[role])})"])
+    for backend, what in report.actions.items():
+        head.append([f"-> {backend}", what])
+    console.print(table("Checkpoint", ["", ""], head))
+    backends = sorted({b for m in report.modules for b in m.backends})
+    rows = [[m.name, "x".join(map(str, m.shape)), m.weight_dtype, m.layout,
+             *["ok" if not m.backends[b] else "; ".join(m.backends[b]) for b in backends]] for m in report.modules]
+    console.print(table("Linear modules", ["module", "shape", "dtype", "stored as", *backends], rows))
 
 
 def _on_sigterm(signum, frame) -> None:

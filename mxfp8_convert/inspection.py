@@ -1,0 +1,94 @@
+"""``inspect``: what a checkpoint is, and what each backend could do with each of its linears.
+
+Reads headers only (plus the small float scales of FP8 sources, to tell lossless from
+requantized), so it is instant on any size of model.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from mxfp8_convert.backends import BACKENDS, KERNEL_BACKENDS
+from mxfp8_convert.errors import ConvertError
+from mxfp8_convert.formats import detect, get_format
+from mxfp8_convert.plan import COMPLETE_MARKER, build_plan, find_modules
+from mxfp8_convert.read import open_checkpoint, resolve_model
+
+
+@dataclass(slots=True)
+class ModuleReport:
+    name: str
+    shape: list[int]
+    weight_dtype: str
+    layout: str  # how it is stored now
+    backends: dict[str, list[str]]  # backend -> violations (empty: it can take it)
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": self.shape, "weight_dtype": self.weight_dtype, "layout": self.layout,
+                "backends": {b: {"ok": not v, "why_not": v} for b, v in self.backends.items()}}
+
+
+@dataclass(slots=True)
+class InspectReport:
+    path: str
+    format: str
+    kind: str
+    backend: str | None  # laid-out checkpoints: the backend they are laid out for
+    complete: bool | None  # laid-out checkpoints: whether the completion marker is there
+    shards: int
+    bytes_by_role: dict[str, int] = field(default_factory=dict)
+    count_by_role: dict[str, int] = field(default_factory=dict)
+    modules: list[ModuleReport] = field(default_factory=list)
+    actions: dict[str, str] = field(default_factory=dict)  # backend -> modules_by_action or error
+
+    def to_dict(self) -> dict:
+        return {"path": self.path, "format": self.format, "kind": self.kind, "backend": self.backend,
+                "complete": self.complete, "shards": self.shards, "bytes_by_role": self.bytes_by_role,
+                "count_by_role": self.count_by_role, "conversion": self.actions,
+                "modules": [m.to_dict() for m in self.modules]}
+
+
+def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, revision: str | None = None) -> InspectReport:
+    """Describe a source or an output checkpoint (local folder or Hub repo id)."""
+    root = resolve_model(str(path), revision=revision)
+    ckpt = open_checkpoint(root)
+    fmt = get_format(source_format) if source_format else detect(ckpt.config, ckpt.hf_quant_config, set(ckpt.tensors))
+    marker = (ckpt.config or {}).get("quantization_config") or {}
+    laid_out = fmt.kind == "laid_out"
+    report = InspectReport(
+        path=str(root), format=fmt.name, kind=fmt.kind, backend=marker.get("backend") if laid_out else None,
+        complete=(root / COMPLETE_MARKER).exists() if laid_out else None, shards=len(ckpt.shards))
+    modules = find_modules(ckpt, fmt, [])
+    roles: dict[str, str] = {}
+    for module, w, s in modules:
+        roles[w.name] = "weight"
+        if s is not None:
+            roles[s.name] = "weight_scale"
+        n, k = (w.shape + (0, 0))[:2] if len(w.shape) == 2 else (0, 0)
+        stored = report.backend if laid_out and s is not None and s.name.endswith("swizzled") else "canonical"
+        report.modules.append(ModuleReport(module, list(w.shape), w.dtype, stored,
+                                           {b: _why_not(BACKENDS[b], w, n, k) for b in KERNEL_BACKENDS}))
+    for name, info in ckpt.tensors.items():
+        role = roles.get(name, "other")
+        report.bytes_by_role[role] = report.bytes_by_role.get(role, 0) + info.nbytes
+        report.count_by_role[role] = report.count_by_role.get(role, 0) + 1
+    for b in (*KERNEL_BACKENDS, "canonical"):
+        report.actions[b] = _conversion(ckpt, fmt, b)
+    return report
+
+
+def _why_not(backend, w, n: int, k: int) -> list[str]:
+    if len(w.shape) != 2:
+        return [f"weight is {len(w.shape)}-D"]
+    return backend.violations(n, k)
+
+
+def _conversion(ckpt, fmt, backend: str) -> str:
+    """What converting to ``backend`` would do, in one phrase."""
+    try:
+        plan = build_plan(ckpt, BACKENDS[backend], fmt, on_ineligible="keep")
+    except ConvertError as e:
+        return f"not possible: {e}"
+    counts = plan.to_dict()["modules_by_action"]
+    return ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "nothing to convert"

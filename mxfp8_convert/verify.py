@@ -1,0 +1,282 @@
+"""``verify``: prove that an output is complete, self-consistent and, given its source, exact.
+
+Checks, in order: the completion marker and every file it lists (size and xxh3 hash); the
+layout marker in config.json and in every shard; every tensor's dtype and shape against its
+record. With ``source``: every module's layouts are inverted (the inverse functions, not the
+forward ones the converter used) and compared with the source's canonical MXFP8 bytes:
+identical for lossless conversions, identical to a fresh FlashInfer-recipe quantization for
+requantized ones, whose recorded error is recomputed too. Pass-through tensors must be
+byte-identical. One module is in memory at a time.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import xxhash
+
+from mxfp8_convert.backends import BACKENDS, FORMAT_VERSION
+from mxfp8_convert.errors import ConvertError, VerifyError
+from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD, detect
+from mxfp8_convert.plan import CANONICAL_SUFFIX, COMPLETE_MARKER, SWIZZLED_SUFFIX, build_plan
+from mxfp8_convert.quantize import quantization_error
+from mxfp8_convert.read import SourceCheckpoint, open_checkpoint, read_tensor, resolve_model
+from mxfp8_convert.transform import canonical_module
+
+
+@dataclass(frozen=True, slots=True)
+class Mismatch:
+    """One problem: the tensor or file, what is wrong, and the first differing position."""
+
+    where: str
+    what: str
+    position: list[int] | None = None
+
+    def __str__(self) -> str:
+        at = f" at {self.position}" if self.position is not None else ""
+        return f"{self.where}: {self.what}{at}"
+
+    def to_dict(self) -> dict:
+        return {"where": self.where, "what": self.what, "position": self.position}
+
+
+@dataclass(slots=True)
+class VerifyReport:
+    path: str
+    backend: str | None
+    source: str | None = None
+    files_checked: int = 0
+    tensors_checked: int = 0
+    modules_compared: int = 0
+    mismatches: list[Mismatch] = field(default_factory=list)
+
+    @property
+    def ok(self) -> bool:
+        return not self.mismatches
+
+    def to_dict(self) -> dict:
+        return {
+            "ok": self.ok, "path": self.path, "backend": self.backend, "source": self.source,
+            "files_checked": self.files_checked, "tensors_checked": self.tensors_checked,
+            "modules_compared": self.modules_compared,
+            "mismatches": [m.to_dict() for m in self.mismatches],
+        }
+
+
+def first_difference(a: torch.Tensor, b: torch.Tensor) -> list[int] | None:
+    """Index of the first differing byte of two same-shape tensors (None if identical)."""
+    a, b = a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b
+    if tuple(a.shape) != tuple(b.shape):
+        return []
+    diff = a != b
+    if not bool(diff.any()):
+        return None
+    return [int(i) for i in diff.nonzero()[0]]
+
+
+def verify(path: str | Path, source: str | Path | None = None, *, check_hashes: bool = True) -> VerifyReport:
+    """Verify a converted checkpoint (see the module docstring).
+
+    Args:
+        path: the output folder.
+        source: the checkpoint it was made from (folder or Hub repo id), to compare bytes.
+        check_hashes: recompute every file's xxh3_128 and compare with the completion marker.
+
+    Returns:
+        A ``VerifyReport``; ``report.ok`` is False when anything differs.
+
+    Raises:
+        VerifyError: the folder is not a complete mxfp8-convert output at all.
+    """
+    root = Path(path)
+    done = _completion(root)
+    report = VerifyReport(str(root), done.get("backend"))
+    _check_files(root, done, report, check_hashes)
+    ckpt = open_checkpoint(root)
+    marker = (ckpt.config or {}).get("quantization_config") or {}
+    records = _check_marker(ckpt, marker, report)
+    _check_tensors(ckpt, marker, records, report)
+    if source is not None:
+        src = open_checkpoint(resolve_model(str(source)))
+        report.source = str(src.root)
+        _compare_with_source(ckpt, src, marker, records, done, report)
+    return report
+
+
+def _completion(root: Path) -> dict:
+    p = root / COMPLETE_MARKER
+    if not root.is_dir():
+        raise VerifyError(f"{root}: not a folder")
+    if not p.exists():
+        raise VerifyError(f"{root}: no {COMPLETE_MARKER}: incomplete, or not an mxfp8-convert output")
+    try:
+        done = json.loads(p.read_text())
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
+        raise VerifyError(f"{p}: not valid JSON") from None
+    if not isinstance(done, dict) or done.get("format_version") != FORMAT_VERSION or not isinstance(done.get("files"), dict):
+        raise VerifyError(f"{p}: not a format_version {FORMAT_VERSION} completion marker")
+    return done
+
+
+def _hash_file(p: Path) -> str:
+    h = xxhash.xxh3_128()
+    with open(p, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+def _check_files(root: Path, done: dict, report: VerifyReport, check_hashes: bool) -> None:
+    for rel, rec in sorted(done["files"].items()):
+        p = root / rel
+        report.files_checked += 1
+        if not p.is_file():
+            report.mismatches.append(Mismatch(rel, "listed in the completion marker but missing"))
+        elif p.stat().st_size != rec.get("size"):
+            report.mismatches.append(Mismatch(rel, f"size {p.stat().st_size} != recorded {rec.get('size')}"))
+        elif check_hashes and _hash_file(p) != rec.get("xxh3_128"):
+            report.mismatches.append(Mismatch(rel, "xxh3_128 hash differs from the completion marker"))
+
+
+def _check_marker(ckpt: SourceCheckpoint, marker: dict, report: VerifyReport) -> dict[str, dict]:
+    """Check config/shard markers; return every shard's per-tensor records, merged."""
+    laid_out = marker.get("quant_method") == LAID_OUT_QUANT_METHOD
+    if report.backend not in BACKENDS:
+        report.mismatches.append(Mismatch(COMPLETE_MARKER, f"unknown backend {report.backend!r}"))
+        return {}
+    if laid_out != BACKENDS[report.backend].laid_out:
+        report.mismatches.append(Mismatch("config.json", f"quantization_config does not match backend {report.backend}"))
+    if laid_out and (marker.get("backend") != report.backend or marker.get("format_version") != FORMAT_VERSION):
+        report.mismatches.append(Mismatch("config.json", "layout marker disagrees with the completion marker"))
+    records: dict[str, dict] = {}
+    for rel, sh in ckpt.shards.items():
+        if not laid_out:
+            continue
+        try:
+            shard_marker = json.loads(sh.metadata.get("mxfp8_convert", "null"))
+            shard_records = json.loads(sh.metadata.get("mxfp8_convert.tensors", "{}"))
+        except json.JSONDecodeError:
+            report.mismatches.append(Mismatch(rel, "layout metadata is not valid JSON"))
+            continue
+        if shard_marker != marker:
+            report.mismatches.append(Mismatch(rel, "shard layout marker differs from config.json's"))
+        for name, rec in shard_records.items():
+            if ckpt.tensors.get(name) is None or ckpt.tensors[name].file != rel:
+                report.mismatches.append(Mismatch(name, f"recorded in {rel} but not stored there"))
+            records[name] = rec
+    return records
+
+
+def _check_tensors(ckpt: SourceCheckpoint, marker: dict, records: dict[str, dict], report: VerifyReport) -> None:
+    backend = BACKENDS.get(report.backend or "")
+    if backend is None or not backend.laid_out:
+        return
+    for name, info in sorted(ckpt.tensors.items()):
+        rec = records.get(name)
+        if rec is None:
+            if name.endswith((f".{SWIZZLED_SUFFIX}", f".{CANONICAL_SUFFIX}")) or (
+                info.dtype == "F8_E4M3" and name.endswith(".weight")
+            ):
+                report.mismatches.append(Mismatch(name, "quantized tensor without a layout record"))
+            continue
+        report.tensors_checked += 1
+        what = _tensor_problem(info, rec, backend, records)
+        if what:
+            report.mismatches.append(Mismatch(name, what))
+
+
+def _tensor_problem(info, rec: dict, backend, records: dict[str, dict]) -> str | None:
+    layout = rec.get("layout")
+    if rec.get("role") == "weight":
+        if info.dtype != "F8_E4M3" or list(info.shape) != rec.get("shape") or len(info.shape) != 2:
+            return f"{info.dtype} {list(info.shape)} does not match its record {rec.get('shape')}"
+        if layout not in (backend.weight_layout, "canonical"):
+            return f"layout {layout!r} is not {backend.name}'s {backend.weight_layout!r}"
+        module = info.name[: -len(".weight")]
+        suffix = CANONICAL_SUFFIX if layout == "canonical" else SWIZZLED_SUFFIX
+        if f"{module}.{suffix}" not in records:
+            return f"no {suffix} recorded for this weight"
+        return None
+    if rec.get("role") != "weight_scale":
+        return f"unknown role {rec.get('role')!r}"
+    n, c = rec.get("logical_shape", [0, 0])
+    want = [n, c] if layout == "canonical" else list(backend.scale_shape(n, c))
+    if layout not in (backend.scale_layout, "canonical"):
+        return f"layout {layout!r} is not {backend.name}'s {backend.scale_layout!r}"
+    if info.dtype != "U8" or list(info.shape) != want:
+        return f"{info.dtype} {list(info.shape)}, but a {layout} scale of [{n}, {c}] is U8 {want}"
+    return None
+
+
+def _compare_with_source(ckpt, src: SourceCheckpoint, marker, records, done, report: VerifyReport) -> None:
+    backend = BACKENDS[report.backend]
+    fmt = detect(src.config, src.hf_quant_config, set(src.tensors))
+    plan = build_plan(src, backend, fmt, on_ineligible="keep")
+    if done.get("source_fingerprint") != plan.fingerprint:
+        report.mismatches.append(Mismatch("source", "fingerprint differs from the one recorded at conversion"))
+    errors = done.get("quantization_errors") or {}
+    covered: set[str] = set()
+    for m in plan.modules:
+        names = _output_names(m.name, ckpt)
+        if names is None:
+            continue  # left unconverted (e.g. --ignore): compared as pass-through below
+        covered.update(names[:2])
+        report.modules_compared += 1
+        report.mismatches.extend(_compare_module(m, ckpt, src, backend, names, errors.get(m.name)))
+    for name, info in sorted(ckpt.tensors.items()):
+        if name in covered:
+            continue
+        if name not in src.tensors:
+            report.mismatches.append(Mismatch(name, "not in the source"))
+            continue
+        a, b = read_tensor(ckpt.root, info), read_tensor(src.root, src.tensors[name])
+        pos = first_difference(a, b) if a.dtype == b.dtype else []
+        if pos is not None:
+            report.mismatches.append(Mismatch(name, "pass-through tensor differs from the source", pos))
+
+
+def _output_names(module: str, ckpt: SourceCheckpoint) -> tuple[str, str, str] | None:
+    w = f"{module}.weight"
+    for suffix, layout in ((SWIZZLED_SUFFIX, "laid_out"), (CANONICAL_SUFFIX, "canonical")):
+        if f"{module}.{suffix}" in ckpt.tensors and w in ckpt.tensors and ckpt.tensors[w].dtype == "F8_E4M3":
+            return w, f"{module}.{suffix}", layout
+    return None
+
+
+def _compare_module(m, ckpt, src, backend, names, recorded) -> list[Mismatch]:
+    wname, sname, layout = names
+    w_out = read_tensor(ckpt.root, ckpt.tensors[wname]).view(torch.uint8)
+    s_out = read_tensor(ckpt.root, ckpt.tensors[sname]).view(torch.uint8)
+    c = m.k // 32
+    if layout == "laid_out":
+        w_out, s_out = backend.weight_inverse(w_out), backend.scale_inverse(s_out, m.n, c)
+    scale = read_tensor(src.root, m.scale) if m.scale is not None else None
+    src_backend = BACKENDS[m.source_backend] if m.source_backend else None
+    try:
+        q, s, err = canonical_module(m, read_tensor(src.root, m.weight), scale, src_backend)
+    except ConvertError as e:
+        return [Mismatch(m.name, f"source cannot be converted: {e}")]
+    out = []
+    for what, got, want in (("weight", w_out, q), ("scale", s_out, s)):
+        pos = first_difference(got.reshape(want.shape) if got.numel() == want.numel() else got, want)
+        if pos is not None:
+            out.append(Mismatch(f"{m.name}.{what}", "differs from the source's canonical MXFP8 (row, col)", pos))
+    if err is not None:
+        out.extend(_check_error(m, w_out, s_out, src, recorded, err))
+    return out
+
+
+def _check_error(m, q, s, src, recorded, err) -> list[Mismatch]:
+    if recorded is None:
+        return [Mismatch(m.name, "requantized, but no error recorded in the completion marker")]
+    if m.source_kind == "dense":
+        now = quantization_error(read_tensor(src.root, m.weight).reshape(m.n, m.k), q.view(torch.float8_e4m3fn), s)
+    else:
+        now = err  # FP8 sources: canonical_module measured it against the source's dequantized values
+    if not math.isclose(now.rel_fro, recorded.get("rel_fro", -1), rel_tol=1e-6, abs_tol=1e-12):
+        return [Mismatch(m.name, f"relative error {now.rel_fro:.6g} != recorded {recorded.get('rel_fro')}")]
+    return []
