@@ -14,7 +14,7 @@ from mxfp8_convert import __version__
 from mxfp8_convert._buffers import BufferPool
 from mxfp8_convert.backends import BACKENDS, FORMAT_VERSION, BackendSpec, get_backend
 from mxfp8_convert.dtypes import torch_dtype
-from mxfp8_convert.errors import LayoutError, OutputError
+from mxfp8_convert.errors import ConvertError, LayoutError, OutputError
 from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD, detect, get_format
 from mxfp8_convert.plan import (
     COMPLETE_MARKER,
@@ -24,6 +24,7 @@ from mxfp8_convert.plan import (
     TensorPlan,
     build_plan,
 )
+from mxfp8_convert.publish import CARD_NAME, write_model_card
 from mxfp8_convert.read import (
     INDEX_NAME,
     ShardReader,
@@ -137,6 +138,8 @@ def convert(
     on_ineligible: str = "error",
     ignore: list[str] | None = None,
     revision: str | None = None,
+    fresh: bool = False,
+    hub_repo_id: str | None = None,
     progress: ProgressCallback | None = None,
 ) -> ConversionResult:
     """Convert a checkpoint to the layout of ``backend``.
@@ -151,10 +154,14 @@ def convert(
         on_ineligible: ``"error"`` or ``"keep"`` (leave tensors that fail the backend canonical).
         ignore: module-name patterns to leave untouched.
         revision: Hub revision (repo ids only).
+        fresh: discard an interrupted earlier run's work instead of resuming it.
+        hub_repo_id: where the output will be published, named in its model card (README.md).
         progress: callback receiving ``ProgressEvent``s.
 
     Returns:
         A ``ConversionResult``; the output folder exists only if the conversion completed.
+        An interrupted run leaves ``.NAME.mxfp8-partial`` beside it; running the same
+        conversion again resumes from the files it finished.
 
     Raises:
         ConvertError: any problem with the source, format, layout or destination; nothing is
@@ -167,17 +174,23 @@ def convert(
     check_destination(dest, ckpt.root, overwrite=overwrite)
     if dry_run:
         return ConversionResult(str(ckpt.root), str(dest), plan, True, time.perf_counter() - t0, 0)
-    need = plan.nbytes + sum(ckpt.path(f).stat().st_size for f in plan.copied_files)
+    need = plan.nbytes + sum(ckpt.path(f).stat().st_size for f in plan.copied_files) + (1 << 20)  # + configs, card
     if free_bytes(dest.parent) < need:
         raise OutputError(f"{dest.parent}: {free_bytes(dest.parent)} bytes free, the output needs {need}",
                           hint="free disk space or choose another -o")
-    staging = Staging(dest)
+    params = {"source_fingerprint": plan.fingerprint, "backend": backend, "format": plan.format,
+              "on_ineligible": on_ineligible, "ignore": sorted(ignore or []), "tool_version": __version__,
+              "format_version": FORMAT_VERSION}
+    staging = Staging(dest, params, fresh=fresh)
     try:
-        executor = _Executor(ckpt, plan, get_backend(backend), staging.path, progress or (lambda e: None))
+        executor = _Executor(ckpt, plan, get_backend(backend), staging, progress or (lambda e: None), hub_repo_id)
         written = executor.run()
         staging.commit()
+    except ConvertError:
+        staging.abort()  # bad input or output: nothing worth resuming
+        raise
     except BaseException:
-        staging.abort()
+        staging.suspend()  # interrupted: the next run with the same parameters resumes
         raise
     return ConversionResult(str(ckpt.root), str(dest), plan, False, time.perf_counter() - t0, written,
                             dict(sorted(executor.errors.items())))
@@ -187,8 +200,10 @@ class _Executor:
     """Runs a plan: writes every shard, copies side files, writes configs and the marker."""
 
     def __init__(self, ckpt: SourceCheckpoint, plan: ConversionPlan, backend: BackendSpec,
-                 out: Path, emit: ProgressCallback) -> None:
-        self.ckpt, self.plan, self.backend, self.out, self.emit = ckpt, plan, backend, out, emit
+                 staging: Staging, emit: ProgressCallback, hub_repo_id: str | None = None) -> None:
+        self.ckpt, self.plan, self.backend, self.emit = ckpt, plan, backend, emit
+        self.hub_repo_id = hub_repo_id
+        self.staging, self.out = staging, staging.path
         self.modules = {m.name: m for m in plan.modules}
         self.readers: dict[str, ShardReader] = {}
         self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> canonical (q, s)
@@ -200,7 +215,14 @@ class _Executor:
         files: dict[str, dict] = {}
         try:
             for shard in self.plan.shards:
-                files[shard.name] = self._write_shard(shard)
+                rec = self.staging.finished(shard.name)
+                if rec is None or rec.get("errors") is None:
+                    rec = {**self._write_shard(shard), "errors": self._shard_errors(shard)}
+                    self.staging.record(shard.name, rec)
+                else:  # finished by an interrupted earlier run, and still intact
+                    self.errors.update(rec["errors"])
+                    self.done += shard.nbytes
+                files[shard.name] = {"size": rec["size"], "xxh3_128": rec["xxh3_128"]}
         finally:
             for r in self.readers.values():
                 r.close()
@@ -209,10 +231,16 @@ class _Executor:
             files[rel] = _file_record(*copy_file(self.ckpt.path(rel), self.out / rel))
         for rel, obj in _json_files(self.ckpt, self.plan).items():
             files[rel] = _file_record(*write_json(self.out / rel, obj))
+        files[CARD_NAME] = _file_record(*write_model_card(  # replaces the copied source README
+            self.out, self.ckpt.root, repo_id=self.hub_repo_id, completion=self.completion_record({})))
         fsync_paths([self.out / s.name for s in self.plan.shards])  # durable before "complete"
         write_json(self.out / COMPLETE_MARKER, self.completion_record(files))
         self.emit(ProgressEvent("done", bytes_done=self.plan.nbytes, bytes_total=self.plan.nbytes))
         return sum(f["size"] for f in files.values())
+
+    def _shard_errors(self, shard: ShardPlan) -> dict:
+        modules = {t.module for t in shard.tensors if t.module}
+        return {m: e for m, e in self.errors.items() if m in modules}
 
     def completion_record(self, files: dict[str, dict]) -> dict:
         return {

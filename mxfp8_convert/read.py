@@ -11,6 +11,8 @@ import json
 import math
 import mmap
 import os
+import posixpath
+import stat
 import struct
 import warnings
 from collections.abc import Iterator
@@ -25,7 +27,12 @@ from mxfp8_convert.errors import SourceError
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_NAME = "model.safetensors"
 #: safetensors itself refuses headers over 100 MB; so do we, before allocating anything.
+#: The same bound holds for the index (a 1M-tensor model's index is ~100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
+#: config.json and hf_quant_config.json are KBs; they are re-written indented, so their size and
+#: nesting bound the output's (indentation grows with depth: 16 MiB at depth 32 is ~0.5 GB)
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+MAX_JSON_DEPTH = 32
 #: what a model folder may hold beside its weights that the conversion never needs to read
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
 
@@ -84,18 +91,105 @@ def safe_child(root: Path, rel: str, *, what: str) -> Path:
     the blob store of a Hugging Face cache snapshot (``<repo>/snapshots/<rev>`` ->
     ``<repo>/blobs``), which is how the Hub cache lays files out.
     """
-    parts = Path(rel).parts
-    if not rel or Path(rel).is_absolute() or ".." in parts or rel.startswith(("/", "\\")):
+    if (
+        not isinstance(rel, str)
+        or not rel
+        or "\0" in rel
+        or rel.startswith(("/", "\\"))
+        or Path(rel).is_absolute()
+        or ".." in Path(rel).parts
+        or posixpath.normpath(rel) != rel  # "./x", "a//b", "a/": one spelling per file
+    ):
         raise SourceError(f"{what} {rel!r} is not a path inside the model folder")
     p = root / rel
-    real = p.resolve()
-    real_root = root.resolve()
+    try:
+        real = p.resolve()
+        real_root = root.resolve()
+    except (OSError, RuntimeError) as e:  # symlink loop (RuntimeError before 3.13), name too long
+        raise SourceError(f"{what} {rel!r} cannot be resolved ({_reason(e)})") from None
     if real == real_root or real_root in real.parents:
         return p
-    blobs = root.resolve().parent.parent / "blobs"
-    if root.parent.name == "snapshots" and blobs in real.parents:
+    # Hub cache: snapshots/<rev>/<file> -> ../../blobs/<hash>. `blobs` is deliberately not
+    # resolved: were it a link itself, no resolved path would have it as a parent.
+    blobs = real_root.parent.parent / "blobs"
+    if real_root.parent.name == "snapshots" and blobs in real.parents:
         return p
     raise SourceError(f"{what} {rel!r} is a link that leads outside the model folder")
+
+
+def _reason(e: BaseException) -> str:
+    return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
+
+
+def _open_regular(root: Path, rel: str, *, what: str):
+    """Open ``root/rel`` for reading if it is a regular file inside the model folder.
+
+    Returns ``(binary file object, size)``. ``O_NONBLOCK`` makes opening a FIFO return at once
+    (instead of waiting for a writer), so ``fstat`` can refuse it; it changes nothing for a
+    regular file.
+    """
+    path = safe_child(root, rel, what=what)
+    try:
+        fd = os.open(path, os.O_RDONLY | getattr(os, "O_NONBLOCK", 0) | getattr(os, "O_CLOEXEC", 0))
+    except FileNotFoundError:
+        raise _fail(rel, "file not found") from None
+    except (OSError, ValueError) as e:
+        raise _fail(rel, f"cannot be opened ({_reason(e)})") from None
+    mode = os.fstat(fd).st_mode
+    if not stat.S_ISREG(mode):
+        os.close(fd)
+        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (pipe, socket or device)"
+        raise _fail(rel, f"is {kind}, not a {'safetensors' if what == 'shard' else 'regular'} file")
+    f = os.fdopen(fd, "rb")
+    return f, os.fstat(fd).st_size
+
+
+class _Pairs(dict):
+    """A JSON object that had repeated keys (``json.loads`` alone keeps the last silently)."""
+
+    __slots__ = ("repeated",)
+
+
+def _object_pairs(pairs: list[tuple[str, object]]) -> dict:
+    d = dict(pairs)
+    if len(d) == len(pairs):
+        return d
+    d = _Pairs(d)
+    d.repeated, seen = [], set()
+    for k, _ in pairs:
+        if k in seen:
+            d.repeated.append(k)
+        seen.add(k)
+    return d
+
+
+def _repeated(obj) -> list[str]:
+    return getattr(obj, "repeated", []) if isinstance(obj, dict) else []
+
+
+def _json_loads(raw: bytes, rel: str, what: str = "not valid JSON", *, max_depth: int | None = None):
+    """Parse JSON bytes, or raise SourceError ``rel: what``. Objects with repeated keys come back
+    as ``_Pairs`` (see ``_repeated``)."""
+    try:
+        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_object_pairs)
+    except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: also >4300-digit ints
+        raise _fail(rel, what) from None
+    if max_depth is not None and _depth_exceeds(obj, max_depth):
+        raise _fail(rel, f"nested more than {max_depth} levels deep")
+    return obj
+
+
+def _depth_exceeds(obj, limit: int) -> bool:
+    stack = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        children = o.values() if isinstance(o, dict) else o if isinstance(o, list) else None
+        if children is None:
+            continue
+        if depth > limit:
+            return True
+        stack.extend((c, depth + 1) for c in children)
+    return False
 
 
 def read_header(root: Path, relpath: str) -> ShardHeader:
@@ -105,10 +199,9 @@ def read_header(root: Path, relpath: str) -> ShardHeader:
     every entry has a known dtype, a shape of non-negative ints and ``data_offsets`` that match
     dtype x shape, lie inside the file and neither overlap nor leave holes.
     """
-    path = safe_child(root, relpath, what="shard")
+    f, size = _open_regular(root, relpath, what="shard")
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
+        with f:
             prefix = f.read(8)
             if len(prefix) < 8:
                 raise _fail(relpath, f"file is {size} bytes, too short to be safetensors")
@@ -116,18 +209,15 @@ def read_header(root: Path, relpath: str) -> ShardHeader:
             if n > MAX_HEADER_BYTES or 8 + n > size:
                 raise _fail(relpath, f"header length {n} points past the end of the {size}-byte file")
             raw = f.read(n)
-    except FileNotFoundError:
-        raise _fail(relpath, "file not found") from None
-    except IsADirectoryError:
-        raise _fail(relpath, "is a directory, not a safetensors file") from None
-    except PermissionError:
-        raise _fail(relpath, "permission denied") from None
-    try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise _fail(relpath, "header is not valid JSON (truncated or not a safetensors file)") from None
+    except OSError as e:
+        raise _fail(relpath, f"cannot be read ({_reason(e)})") from None
+    if len(raw) != n:
+        raise _fail(relpath, f"file ended inside the {n}-byte header (changed while read?)")
+    header = _json_loads(raw, relpath, "header is not valid JSON (truncated or not a safetensors file)")
     if not isinstance(header, dict):
         raise _fail(relpath, "header is not a JSON object")
+    if _repeated(header):
+        raise _fail(relpath, f"tensor {_repeated(header)[0]!r} is declared twice in the header")
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in metadata.items()
@@ -143,8 +233,10 @@ def _parse_entries(relpath: str, header: dict, *, data_start: int, size: int) ->
     for name, entry in header.items():
         if not isinstance(entry, dict):
             raise _fail(relpath, f"tensor {name!r}: header entry is not an object")
+        if _repeated(entry):
+            raise _fail(relpath, f"tensor {name!r}: key {_repeated(entry)[0]!r} appears twice")
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-        if dtype not in ST_DTYPES:
+        if not isinstance(dtype, str) or dtype not in ST_DTYPES:  # a list would be unhashable
             raise _fail(relpath, f"tensor {name!r}: unknown dtype {dtype!r}")
         if not isinstance(shape, list) or not all(
             type(d) is int and 0 <= d < 2**48 for d in shape
@@ -182,37 +274,49 @@ def _parse_entries(relpath: str, header: dict, *, data_start: int, size: int) ->
     return tensors
 
 
-def _load_json(root: Path, rel: str, *, required: bool = False) -> tuple[object | None, bytes]:
-    p = root / rel
-    if not p.exists():
-        if required:
-            raise SourceError(f"{rel}: file not found")
+def _load_json(root: Path, rel: str, *, max_bytes: int = MAX_CONFIG_BYTES) -> tuple[object | None, bytes]:
+    """``(parsed, raw bytes)`` of JSON file ``root/rel``, or ``(None, b"")`` if there is none.
+
+    A link (even a dangling one) counts as present: it must lead inside the folder and to a
+    regular file. The size is checked before reading, the nesting after parsing.
+    """
+    if not os.path.lexists(root / rel):
         return None, b""
-    safe_child(root, rel, what="file")
-    try:
-        raw = p.read_bytes()
-        if len(raw) > MAX_HEADER_BYTES:
-            raise SourceError(f"{rel}: {len(raw)} bytes is too large for a JSON config")
-        return json.loads(raw.decode("utf-8")), raw
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError):
-        raise SourceError(f"{rel}: not valid JSON") from None
+    f, size = _open_regular(root, rel, what="file")
+    with f:
+        if size > max_bytes:
+            raise _fail(rel, f"{size} bytes is too large for this JSON file (limit {max_bytes})")
+        try:
+            raw = f.read(max_bytes + 1)
+        except OSError as e:
+            raise _fail(rel, f"cannot be read ({_reason(e)})") from None
+    if len(raw) > max_bytes:
+        raise _fail(rel, f"grew past {max_bytes} bytes while read")
+    return _json_loads(raw, rel, max_depth=MAX_JSON_DEPTH), raw
 
 
 def _shard_names(root: Path) -> tuple[list[str], dict | None]:
-    index, _ = _load_json(root, INDEX_NAME)
+    index, _ = _load_json(root, INDEX_NAME, max_bytes=MAX_HEADER_BYTES)
     if index is not None:
         wm = index.get("weight_map") if isinstance(index, dict) else None
         if not isinstance(wm, dict) or not wm or not all(
             isinstance(k, str) and isinstance(v, str) for k, v in wm.items()
         ):
             raise SourceError(f"{INDEX_NAME}: 'weight_map' must be a non-empty object of name -> file")
-        return sorted(set(wm.values())), wm
+        if _repeated(wm):
+            raise SourceError(f"{INDEX_NAME}: tensor {_repeated(wm)[0]!r} is listed twice in weight_map")
+        shards = sorted(set(wm.values()))
+        for rel in shards:
+            if not rel.endswith(".safetensors"):
+                raise SourceError(f"{INDEX_NAME}: weight_map names {rel!r}, which is not a .safetensors file")
+            safe_child(root, rel, what=f"{INDEX_NAME}: shard")
+        return shards, wm
     if (root / SINGLE_NAME).exists():
         return [SINGLE_NAME], None
     shards = sorted(p.name for p in root.glob("*.safetensors"))
     if shards:
         return shards, None
-    pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))
+    pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))  # names only
     if pickles:
         raise SourceError(
             f"{root}: only pickle weights ({pickles[0]}{', ...' if len(pickles) > 1 else ''}); "
@@ -230,7 +334,11 @@ def open_checkpoint(root: str | os.PathLike) -> SourceCheckpoint:
             shards or tensors, a tensor in two shards, paths leaving the folder.
     """
     root = Path(root)
-    if not root.is_dir():
+    try:
+        is_dir = root.is_dir()
+    except (OSError, ValueError):  # name too long, NUL byte
+        is_dir = False
+    if not is_dir:
         raise SourceError(f"{root}: not a folder", hint="pass a model folder or a Hub repo id")
     config, config_raw = _load_json(root, "config.json")
     if config is not None and not isinstance(config, dict):
@@ -275,17 +383,41 @@ _NOT_COPIED = {INDEX_NAME, "config.json", "hf_quant_config.json", ".cache", ".gi
 
 
 def _other_files(root: Path, shards: set[str]) -> Iterator[str]:
-    """Files to copy byte for byte: everything but shards, index, configs we rewrite, pickles."""
+    """Files to copy byte for byte: everything but shards, index, configs we rewrite, pickles.
+
+    Each must be a regular file inside the folder (or the Hub cache's blobs): a link leading
+    elsewhere, a pipe or a device fails the conversion before anything is read. Linked folders
+    are not followed (a link leading outside still fails).
+    """
     for dirpath, dirnames, filenames in os.walk(root):
         rel_dir = Path(dirpath).relative_to(root)
-        dirnames[:] = sorted(d for d in dirnames if d not in _NOT_COPIED and not d.startswith(".mxfp8"))
+        keep = []
+        for d in sorted(dirnames):
+            if d in _NOT_COPIED or d.startswith(".mxfp8"):
+                continue
+            if os.path.islink(os.path.join(dirpath, d)):
+                safe_child(root, _join(rel_dir, d), what="folder")
+                continue
+            keep.append(d)
+        dirnames[:] = keep
         for fn in sorted(filenames):
-            rel = str(rel_dir / fn) if str(rel_dir) != "." else fn
+            rel = _join(rel_dir, fn)
             if rel in shards or rel in _NOT_COPIED or fn.endswith(PICKLE_SUFFIXES):
                 continue
             if fn.endswith(".safetensors"):
                 continue  # a stray shard not in the index: never part of the model
+            path = safe_child(root, rel, what="file")
+            try:
+                mode = path.stat().st_mode
+            except OSError as e:
+                raise _fail(rel, f"cannot be read ({_reason(e)})") from None
+            if not stat.S_ISREG(mode):
+                raise _fail(rel, "is not a regular file (pipe, socket or device)")
             yield rel
+
+
+def _join(rel_dir: Path, name: str) -> str:
+    return name if str(rel_dir) == "." else f"{rel_dir.as_posix()}/{name}"
 
 
 class ShardReader:
@@ -297,9 +429,8 @@ class ShardReader:
 
     def __init__(self, root: Path, relpath: str, expected_size: int) -> None:
         self.relpath = relpath
-        self._f = open(safe_child(root, relpath, what="shard"), "rb")
+        self._f, size = _open_regular(root, relpath, what="shard")
         self.fd = self._f.fileno()
-        size = os.fstat(self.fd).st_size
         if size != expected_size:  # changed since its header was validated: never mmap past EOF
             self._f.close()
             raise SourceError(f"{relpath}: file changed size during conversion ({expected_size} -> {size})")
@@ -330,8 +461,11 @@ class ShardReader:
 
 def read_tensor(ckpt_root: Path, info: TensorInfo) -> torch.Tensor:
     """The whole tensor, as a new CPU tensor of its own dtype and shape."""
-    buf = torch.empty(info.nbytes, dtype=torch.uint8)
-    with open(ckpt_root / info.file, "rb") as f:
+    f, size = _open_regular(ckpt_root, info.file, what="shard")
+    with f:
+        if info.begin + info.nbytes > size:  # before allocating: the header may have lied
+            raise SourceError(f"{info.file}: file ended inside tensor {info.name!r} (truncated?)")
+        buf = torch.empty(info.nbytes, dtype=torch.uint8)
         f.seek(info.begin)
         if f.readinto(memoryview(buf.numpy()).cast("B")) != info.nbytes:
             raise SourceError(f"{info.file}: file ended inside tensor {info.name!r} (truncated?)")
@@ -372,7 +506,11 @@ def resolve_model(model: str, *, revision: str | None = None, token: str | None 
     and HF_TOKEN behave as its users expect; only the files a conversion needs are fetched.
     """
     local = Path(model).expanduser()
-    if local.exists():
+    try:
+        exists = local.exists()
+    except (OSError, ValueError):  # name too long, NUL byte: not a folder, maybe a repo id
+        exists = False
+    if exists:
         if revision is not None:
             raise SourceError(f"{model}: --revision applies to Hub repo ids, not local folders")
         return local

@@ -9,6 +9,7 @@ as they are produced and no tensor, let alone the model, needs to be held in mem
 from __future__ import annotations
 
 import errno
+import fcntl
 import json
 import os
 import secrets
@@ -227,24 +228,94 @@ def check_destination(dest: Path, source: Path, *, overwrite: bool) -> None:
         raise OutputError(f"{dest}: exists and is not a folder")
 
 
-class Staging:
-    """A temporary folder beside ``dest`` that becomes ``dest`` on ``commit()``."""
+PARTIAL_SUFFIX = ".mxfp8-partial"
+MANIFEST_NAME = "mxfp8_convert.partial.json"
+_LOCK_NAME = ".lock"
 
-    def __init__(self, dest: Path, *, name: str | None = None):
-        self.dest = dest
-        parent = dest.parent
+
+def file_digest(path: Path) -> str:
+    """xxh3_128 hex digest of a file's bytes."""
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
+class Staging:
+    """The work folder ``.NAME.mxfp8-partial`` beside ``dest``; it becomes ``dest`` on ``commit()``.
+
+    Its manifest records the conversion's parameters and every finished file (size, xxh3).
+    Created again with the same parameters after an interruption, it keeps the finished files
+    that still verify and removes the rest; with other parameters it refuses, unless ``fresh``.
+    A lock file keeps two conversions from writing the same destination at once.
+    """
+
+    def __init__(self, dest: Path, params: dict, *, fresh: bool = False) -> None:
+        self.dest, self.params = dest, params
+        self.path = dest.parent / f".{dest.name}{PARTIAL_SUFFIX}"
         try:
-            parent.mkdir(parents=True, exist_ok=True)
-        except OSError as e:
-            raise os_error(parent, e) from None
-        self.path = parent / (name or f".{dest.name}.mxfp8-tmp-{secrets.token_hex(4)}")
-        try:
-            self.path.mkdir(exist_ok=name is not None)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            if fresh and self.path.exists():
+                shutil.rmtree(self.path)
+            self.path.mkdir(exist_ok=True)
+            self._lock = open(self.path / _LOCK_NAME, "w")
         except OSError as e:
             raise os_error(self.path, e) from None
+        try:
+            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except OSError:
+            self._lock.close()
+            raise OutputError(f"{dest}: another mxfp8-convert is writing this destination") from None
+        self.files = self._resume()
+        self._save()
+
+    def _resume(self) -> dict[str, dict]:
+        manifest = self._read_manifest()
+        if manifest is not None and manifest.get("params") != self.params:
+            self._lock.close()
+            diff = sorted(k for k in set(self.params) | set(manifest.get("params") or {})
+                          if self.params.get(k) != (manifest.get("params") or {}).get(k))
+            raise OutputError(
+                f"{self.path}: an interrupted conversion with other parameters ({', '.join(diff)}) is here",
+                hint="rerun it with the same options to resume it, or pass --fresh to start over")
+        kept = {}
+        for rel, rec in ((manifest or {}).get("files") or {}).items():
+            p = self.path / rel
+            if p.is_file() and p.stat().st_size == rec.get("size") and file_digest(p) == rec.get("xxh3_128"):
+                kept[rel] = rec
+        for p in sorted(self.path.rglob("*"), reverse=True):  # anything unfinished goes
+            rel = str(p.relative_to(self.path))
+            if rel in kept or rel in (MANIFEST_NAME, _LOCK_NAME) or (p.is_dir() and any(p.iterdir())):
+                continue
+            p.unlink() if not p.is_dir() else p.rmdir()
+        return kept
+
+    def _read_manifest(self) -> dict | None:
+        try:
+            m = json.loads((self.path / MANIFEST_NAME).read_text())
+            return m if isinstance(m, dict) else None
+        except (OSError, ValueError):
+            return None
+
+    def _save(self) -> None:
+        tmp = self.path / (MANIFEST_NAME + ".tmp")
+        write_json(tmp, {"params": self.params, "files": self.files})
+        os.replace(tmp, self.path / MANIFEST_NAME)
+
+    def finished(self, rel: str) -> dict | None:
+        """The record of a file finished by an earlier, interrupted run (or None)."""
+        return self.files.get(rel)
+
+    def record(self, rel: str, rec: dict) -> None:
+        """Note a finished file in the manifest, so an interrupted run can keep it."""
+        self.files[rel] = rec
+        self._save()
 
     def commit(self) -> None:
         """Rename into place; an existing destination is swapped out and then removed."""
+        for name in (MANIFEST_NAME, _LOCK_NAME):
+            (self.path / name).unlink(missing_ok=True)
         _fsync_dir(self.path)
         old = None
         try:
@@ -256,12 +327,20 @@ class Staging:
             if old is not None and not self.dest.exists():
                 os.rename(old, self.dest)
             raise os_error(self.dest, e) from None
+        finally:
+            self._lock.close()
         _fsync_dir(self.dest.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
+        """Remove the work folder (the input was bad: nothing to resume)."""
+        self._lock.close()
         shutil.rmtree(self.path, ignore_errors=True)
+
+    def suspend(self) -> None:
+        """Leave the work folder for a later run to resume (interrupted)."""
+        self._lock.close()
 
 
 def free_bytes(path: Path) -> int:

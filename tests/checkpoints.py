@@ -53,4 +53,4 @@ def marker(root: Path) -> dict:
 
 def leftovers(parent: Path) -> list[str]:
     """Temporary or half-written folders that a failed run might leave beside its destination."""
-    return sorted(p.name for p in parent.iterdir() if ".mxfp8-tmp-" in p.name or ".mxfp8-old-" in p.name)
+    return sorted(p.name for p in parent.iterdir() if ".mxfp8-partial" in p.name or ".mxfp8-old-" in p.name)

@@ -199,3 +199,38 @@ def test_pickles_only(capsys, tmp_path):
     dest = tmp_path / "o"
     assert_failed_cleanly(*run(capsys, m, "-b", "trtllm", "-o", dest), tmp_path, dest,
                           "only pickle weights (pytorch_model.bin); safetensors is required")
+
+
+def test_push_to_hub_verifies_then_uploads(capsys, src, tmp_path, monkeypatch):
+    import mxfp8_convert.publish as publish
+
+    calls = []
+    monkeypatch.setattr(publish, "push_to_hub", lambda *a, **k: calls.append((a, k)) or "https://hub/commit/1")
+    code, out, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o", "--push-to-hub", "me/tiny-trtllm",
+                         "--private", "--push-branch", "v1", "--json")
+    assert code == 0, err
+    assert calls == [((str(tmp_path / "o"), "me/tiny-trtllm"), {"private": True, "revision": "v1"})]
+    doc = json.loads(out)
+    assert doc["push"] == {"repo_id": "me/tiny-trtllm", "branch": "v1", "private": True,
+                           "commit_url": "https://hub/commit/1"}
+    assert "me/tiny-trtllm" in (tmp_path / "o" / "README.md").read_text()  # named in the card's snippet
+
+
+def test_push_refused_when_verification_fails(capsys, src, tmp_path, monkeypatch):
+    import mxfp8_convert.publish as publish
+    import mxfp8_convert.verify as verify_mod
+
+    calls = []
+    monkeypatch.setattr(publish, "push_to_hub", lambda *a, **k: calls.append(a))
+    report = verify_mod.VerifyReport("x", "trtllm", mismatches=[verify_mod.Mismatch("t.weight", "differs", [1, 2])])
+    monkeypatch.setattr(verify_mod, "verify", lambda *a, **k: report)
+    code, out, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o", "--push-to-hub", "me/x")
+    assert code == 1 and calls == []
+    assert err.strip() == "Error: not pushed: verification failed: t.weight: differs at [1, 2]"
+
+
+def test_push_flag_combinations_are_usage_errors(capsys, src, tmp_path):
+    code, _, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o", "--private")
+    assert code == 2 and "--push-to-hub" in err
+    code, _, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o", "--push-to-hub", "me/x", "--dry-run")
+    assert code == 2 and not (tmp_path / "o").exists()

@@ -62,8 +62,11 @@ def test_roundtrip_bytes_metadata_and_passthrough(sources, tmp_path, backend, di
         if name not in linear:  # norms, embeddings, ignored lm_head: byte-identical
             assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
 
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "README.md", "LICENSE"):
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "LICENSE"):
         assert (out / f).read_bytes() == (src / f).read_bytes(), f
+    card = (out / "README.md").read_text()  # our model card, the source's card kept below it
+    assert card.startswith("---\n") and "base_model_relation" not in card  # no Hub repo: no base_model
+    assert f"- {backend}" in card and (src / "README.md").read_text().strip().splitlines()[-1] in card
     assert not (out / "hf_quant_config.json").exists()
 
     m = marker(out)

@@ -78,6 +78,10 @@ def convert_cmd(
     on_ineligible: Annotated[str, typer.Option("--on-ineligible", help="error: fail listing tensors the backend cannot take; keep: leave them canonical MXFP8.")] = "error",
     ignore: Annotated[list[str] | None, typer.Option("--ignore", help="Module name pattern to leave untouched (repeatable).")] = None,
     revision: RevisionOpt = None,
+    fresh: Annotated[bool, typer.Option("--fresh", help="Discard an interrupted earlier run instead of resuming it.")] = False,
+    push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", metavar="REPO", help="After a conversion that verifies, upload it to this Hub repo (created if needed).")] = None,
+    private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo private.")] = False,
+    push_branch: Annotated[str | None, typer.Option("--push-branch", help="With --push-to-hub: the branch to upload to (created if needed).")] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -90,14 +94,39 @@ def convert_cmd(
         raise typer.BadParameter(f"{backend!r} is not one of: {', '.join(BACKENDS)}", param_hint="--backend")
     if on_ineligible not in ("error", "keep"):
         raise typer.BadParameter(f"{on_ineligible!r} is not one of: error, keep", param_hint="--on-ineligible")
+    if push_to_hub is None and (private or push_branch):
+        raise typer.BadParameter("--private and --push-branch need --push-to-hub", param_hint="--push-to-hub")
+    if push_to_hub is not None and dry_run:
+        raise typer.BadParameter("--dry-run writes nothing to push", param_hint="--push-to-hub")
     with handle_errors(out, debug=debug), out.progress() as on_progress:
         result = convert(model, backend, output, overwrite=overwrite, dry_run=dry_run,
                          source_format=source_format, on_ineligible=on_ineligible, ignore=ignore,
-                         revision=revision, progress=on_progress)
-    out.result(result.to_dict(), lambda console: _render_convert(console, result))
+                         revision=revision, fresh=fresh, hub_repo_id=push_to_hub, progress=on_progress)
+    doc = result.to_dict()
+    if push_to_hub is not None:
+        with handle_errors(out, debug=debug):
+            doc["push"] = _verify_and_push(out, result, push_to_hub, private, push_branch)
+    out.result(doc, lambda console: _render_convert(console, result, doc.get("push")))
 
 
-def _render_convert(console, result) -> None:
+def _verify_and_push(out, result, repo: str, private: bool, branch: str | None) -> dict:
+    """Verify the output against its source, then upload it; never upload what fails."""
+    from mxfp8_convert.errors import VerifyError
+    from mxfp8_convert.publish import push_to_hub
+    from mxfp8_convert.verify import verify
+
+    report = verify(result.output, result.source)
+    if not report.ok:
+        raise VerifyError(f"not pushed: verification failed: {report.mismatches[0]}")
+    if not out.interactive:
+        from huggingface_hub.utils import disable_progress_bars
+
+        disable_progress_bars()
+    url = push_to_hub(result.output, repo, private=private, revision=branch)
+    return {"repo_id": repo, "branch": branch, "private": private, "commit_url": url}
+
+
+def _render_convert(console, result, push: dict | None = None) -> None:
     plan = result.plan
     rows = [[m.name, f"{m.n}x{m.k}", m.action, m.layout + (f" ({m.reason})" if m.reason else "")]
             for m in plan.modules]
@@ -120,6 +149,12 @@ def _render_convert(console, result) -> None:
     ]
     if plan.kept:
         summary.append(["kept canonical", ", ".join(plan.kept)])
+    if result.quantization_errors:
+        worst = min(result.quantization_errors.items(), key=lambda kv: kv[1]["sqnr_db"])
+        summary.append(["requantized", f"{len(result.quantization_errors)} modules; worst SQNR "
+                        f"{worst[1]['sqnr_db']:.1f} dB (rel. error {worst[1]['rel_fro']:.2e}) in {worst[0]}"])
+    if push:
+        summary.append(["pushed", f"{push['repo_id']} ({push['commit_url']})"])
     console.print(table("Converted", ["", ""], summary))
 
 

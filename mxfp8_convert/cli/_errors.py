@@ -38,6 +38,13 @@ ERROR_TABLE: list[tuple[type[BaseException], int, Callable[[BaseException], str]
 ]
 
 
+#: hints for errors that carry none of their own
+HINTS = {
+    EXIT_SIGINT: "rerun the same command to resume from the files already finished",
+    EXIT_SIGTERM: "rerun the same command to resume from the files already finished",
+}
+
+
 @contextmanager
 def handle_errors(out, *, debug: bool = False):
     """Turn known exceptions into ``Error: ...`` (+ ``Hint: ...``) on stderr and an exit code."""
@@ -51,6 +58,6 @@ def handle_errors(out, *, debug: bool = False):
             if isinstance(e, kind):
                 if debug:
                     traceback.print_exc()
-                out.error(message(e), getattr(e, "hint", None))
+                out.error(message(e), getattr(e, "hint", None) or HINTS.get(code))
                 raise typer.Exit(code) from None
         raise

@@ -20,9 +20,9 @@ from mxfp8_convert.layouts.swizzle import (
     unswizzle_128x4,
 )
 from mxfp8_convert.layouts.trtllm import (
+    trtllm_scale_from_canonical,
     trtllm_scale_shape,
     trtllm_scale_to_canonical,
-    trtllm_scale_from_canonical,
 )
 
 __all__ = [
