@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import json
+import threading
 import time
 from collections.abc import Callable, Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -82,6 +84,7 @@ class ConversionResult:
     seconds: float
     bytes_written: int
     quantization_errors: dict = field(default_factory=dict)  # module -> {action, rel_fro, sqnr_db}
+    part: tuple[int, int] | None = None  # job-array part this run converted, if any
 
     def to_dict(self) -> dict:
         return {
@@ -94,6 +97,7 @@ class ConversionResult:
             "seconds": round(self.seconds, 3),
             "bytes_written": self.bytes_written,
             "quantization_errors": self.quantization_errors,
+            "part": list(self.part) if self.part else None,
             "plan": self.plan.to_dict(),
         }
 
@@ -140,6 +144,9 @@ def convert(
     revision: str | None = None,
     fresh: bool = False,
     hub_repo_id: str | None = None,
+    part: tuple[int, int] | None = None,
+    workers: int = 1,
+    max_memory: int | None = None,
     progress: ProgressCallback | None = None,
 ) -> ConversionResult:
     """Convert a checkpoint to the layout of ``backend``.
@@ -156,6 +163,10 @@ def convert(
         revision: Hub revision (repo ids only).
         fresh: discard an interrupted earlier run's work instead of resuming it.
         hub_repo_id: where the output will be published, named in its model card (README.md).
+        part: ``(i, n)``: convert only part ``i`` of ``n`` (shards ``j`` with ``j % n == i``) into
+            the shared work folder; ``finalize(output)`` completes the output once all parts ran.
+        workers: shards converted in parallel.
+        max_memory: bytes the workers may use together (fewer workers run if needed).
         progress: callback receiving ``ProgressEvent``s.
 
     Returns:
@@ -181,16 +192,105 @@ def convert(
     params = {"source_fingerprint": plan.fingerprint, "backend": backend, "format": plan.format,
               "on_ineligible": on_ineligible, "ignore": sorted(ignore or []), "tool_version": __version__,
               "format_version": FORMAT_VERSION}
-    staging = Staging(dest, params, fresh=fresh)
+    shards = list(plan.shards)
+    if part is not None:
+        i, n = _check_part(part)
+        params["num_parts"] = n
+        shards = [s for j, s in enumerate(plan.shards) if j % n == i]  # round robin over sorted shards
+    staging = Staging(dest, params, fresh=fresh, part=part, source=str(ckpt.root),
+                      owned={s.name for s in shards} if part is not None else None)
+    executor = _Executor(ckpt, plan, get_backend(backend), staging, progress or (lambda e: None), hub_repo_id)
     try:
-        executor = _Executor(ckpt, plan, get_backend(backend), staging, progress or (lambda e: None), hub_repo_id)
-        written = executor.run()
+        files = executor.write_shards(shards, workers=_workers(plan, workers, max_memory))
+        if part is not None:
+            staging.suspend()  # `finalize` gathers the parts
+            written = sum(f["size"] for f in files.values())
+            return ConversionResult(str(ckpt.root), None, plan, False, time.perf_counter() - t0, written,
+                                    dict(sorted(executor.errors.items())), part=part)
+        written = executor.finish(files)
         staging.commit()
     except ConvertError:
         staging.abort()  # bad input or output: nothing worth resuming
         raise
     except BaseException:
         staging.suspend()  # interrupted: the next run with the same parameters resumes
+        raise
+    return ConversionResult(str(ckpt.root), str(dest), plan, False, time.perf_counter() - t0, written,
+                            dict(sorted(executor.errors.items())))
+
+
+def _check_part(part: tuple[int, int]) -> tuple[int, int]:
+    i, n = part
+    if n < 1 or not 0 <= i < n:
+        raise ConvertError(f"--part {i} is not in 0..{n - 1} for --num-parts {n}")
+    return i, n
+
+
+#: memory one worker needs beyond its largest in-memory module: its buffer pool and queue
+WORKER_BASE_BYTES = (2 * PIPELINE_DEPTH + 2) * CHUNK_BYTES
+
+
+def _workers(plan: ConversionPlan, workers: int, max_memory: int | None) -> int:
+    """Workers to run: at most ``workers``, as many as ``max_memory`` bytes allow, at most one
+    per shard. A worker holds its buffers and, for modules computed whole (FP8, dense,
+    laid-out sources), one module's canonical bytes (about 1.1 bytes per weight element, plus
+    float32 working chunks)."""
+    if workers < 1:
+        raise ConvertError(f"--workers must be at least 1, got {workers}")
+    whole = [m.n * m.k * 2 for m in plan.modules if m.action != "relayout" and m.action != "keep"
+             or m.source_backend is not None]
+    per_worker = WORKER_BASE_BYTES + max(whole, default=0)
+    if max_memory is not None:
+        if max_memory < per_worker:
+            raise ConvertError(f"--max-memory {max_memory} bytes is below what one worker needs ({per_worker})",
+                               hint=f"allow at least {per_worker // 2**20 + 1} MiB")
+        workers = min(workers, max_memory // per_worker)
+    return max(1, min(workers, len(plan.shards)))
+
+
+def finalize(output: str | Path, *, source: str | Path | None = None, hub_repo_id: str | None = None,
+             progress: ProgressCallback | None = None) -> ConversionResult:
+    """Gather the parts of a split conversion (``--num-parts N --part I``) into the output.
+
+    Checks that every part ran with the same parameters and that every shard it wrote still
+    verifies, then writes the index, config, model card and completion marker, and renames the
+    work folder into place. Safe to rerun.
+
+    Args:
+        output: the destination the parts were converted to.
+        source: the source checkpoint, if not at the path the parts recorded.
+        hub_repo_id: where the output will be published (named in its model card).
+        progress: callback receiving ``ProgressEvent``s.
+
+    Raises:
+        OutputError: a part missing, unfinished, still running, or made with other parameters.
+    """
+    t0 = time.perf_counter()
+    dest = Path(output)
+    if dest.exists():
+        raise OutputError(f"{dest}: already exists", hint="nothing to finalize; remove it to redo")
+    staging, _ = Staging.finalizing(dest)
+    try:
+        p = staging.params
+        ckpt, plan = plan_conversion(str(source or staging.source), p["backend"], source_format=p["format"],
+                                     on_ineligible=p["on_ineligible"], ignore=p["ignore"])
+        if plan.fingerprint != p["source_fingerprint"]:
+            raise OutputError(f"{ckpt.root}: not the source the parts were converted from (fingerprint differs)")
+        missing = [s.name for s in plan.shards if s.name not in staging.files]
+        if missing:
+            i = plan.shards.index(next(s for s in plan.shards if s.name == missing[0])) % p["num_parts"]
+            raise OutputError(f"{dest}: shard {missing[0]} (part {i} of {p['num_parts']}) is not finished",
+                              hint="rerun that part; it resumes")
+        executor = _Executor(ckpt, plan, get_backend(p["backend"]), staging, progress or (lambda e: None), hub_repo_id)
+        files = {}
+        for s in plan.shards:
+            rec = staging.files[s.name]
+            executor.errors.update(rec.get("errors") or {})
+            files[s.name] = {"size": rec["size"], "xxh3_128": rec["xxh3_128"]}
+        written = executor.finish(files)
+        staging.commit()
+    except BaseException:
+        staging.suspend()
         raise
     return ConversionResult(str(ckpt.root), str(dest), plan, False, time.perf_counter() - t0, written,
                             dict(sorted(executor.errors.items())))
@@ -205,27 +305,32 @@ class _Executor:
         self.hub_repo_id = hub_repo_id
         self.staging, self.out = staging, staging.path
         self.modules = {m.name: m for m in plan.modules}
-        self.readers: dict[str, ShardReader] = {}
-        self.pending: dict[str, tuple[torch.Tensor, torch.Tensor]] = {}  # module -> canonical (q, s)
         self.errors: dict[str, dict] = {}
-        self.pool = BufferPool(CHUNK_BYTES, PIPELINE_DEPTH + 2)  # queued + in hand
         self.done = 0
+        self._lock = threading.Lock()
+        self._local = threading.local()  # per worker: readers, buffer pool, modules in flight
 
-    def run(self) -> int:
-        files: dict[str, dict] = {}
-        try:
-            for shard in self.plan.shards:
-                rec = self.staging.finished(shard.name)
-                if rec is None or rec.get("errors") is None:
-                    rec = {**self._write_shard(shard), "errors": self._shard_errors(shard)}
+    def write_shards(self, shards: list[ShardPlan], *, workers: int = 1) -> dict[str, dict]:
+        """Write ``shards`` (``workers`` at a time), keeping any an interrupted run finished."""
+        def one(shard: ShardPlan) -> tuple[str, dict]:
+            rec = self.staging.finished(shard.name)
+            if rec is None or rec.get("errors") is None:
+                rec = {**self._write_shard(shard), "errors": self._shard_errors(shard)}
+                with self._lock:
                     self.staging.record(shard.name, rec)
-                else:  # finished by an interrupted earlier run, and still intact
-                    self.errors.update(rec["errors"])
-                    self.done += shard.nbytes
-                files[shard.name] = {"size": rec["size"], "xxh3_128": rec["xxh3_128"]}
-        finally:
-            for r in self.readers.values():
-                r.close()
+            else:  # finished by an interrupted earlier run, and still intact
+                self.errors.update(rec["errors"])
+                self._advance(shard.nbytes, shard.name, None)
+            return shard.name, {"size": rec["size"], "xxh3_128": rec["xxh3_128"]}
+
+        if workers <= 1:
+            return dict(one(s) for s in shards)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mxfp8-shard") as pool:
+            return dict(pool.map(one, shards))
+
+    def finish(self, files: dict[str, dict]) -> int:
+        """Copy side files, write configs, model card and, last, the completion marker."""
+        files = dict(files)
         self.emit(ProgressEvent("writing", bytes_done=self.done, bytes_total=self.plan.nbytes))
         for rel in self.plan.copied_files:
             files[rel] = _file_record(*copy_file(self.ckpt.path(rel), self.out / rel))
@@ -237,6 +342,12 @@ class _Executor:
         write_json(self.out / COMPLETE_MARKER, self.completion_record(files))
         self.emit(ProgressEvent("done", bytes_done=self.plan.nbytes, bytes_total=self.plan.nbytes))
         return sum(f["size"] for f in files.values())
+
+    def _advance(self, n: int, shard: str, tensor: str | None) -> None:
+        with self._lock:
+            self.done += n
+            done = self.done
+        self.emit(ProgressEvent("transforming", shard, tensor, done, self.plan.nbytes))
 
     def _shard_errors(self, shard: ShardPlan) -> dict:
         modules = {t.module for t in shard.tensors if t.module}
@@ -261,19 +372,36 @@ class _Executor:
         """Zero-copy view of a source tensor in its own dtype and shape."""
         return self.reader(info).view(info.begin, info.nbytes).view(torch_dtype(info.dtype)).reshape(info.shape)
 
+    @property
+    def readers(self) -> dict[str, ShardReader]:
+        return self._local.readers
+
+    @property
+    def pool(self) -> BufferPool:
+        return self._local.pool
+
+    @property
+    def pending(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
+        return self._local.pending  # module -> canonical (q, s), until both tensors are written
+
     def _write_shard(self, shard: ShardPlan) -> dict:
         entries = [(t.name, t.dtype, t.shape, t.nbytes) for t in shard.tensors]
+        self._local.readers, self._local.pending = {}, {}
+        self._local.pool = BufferPool(CHUNK_BYTES, PIPELINE_DEPTH + 2)  # queued + in hand
         writer = ShardWriter(self.out / shard.name, entries, _shard_metadata(self.ckpt, self.plan, shard),
                              depth=PIPELINE_DEPTH)
         try:
             for t in shard.tensors:
                 for n in self._produce(t, writer):
-                    self.done += n
-                    self.emit(ProgressEvent("transforming", shard.name, t.name, self.done, self.plan.nbytes))
+                    self._advance(n, shard.name, t.name)
             return _file_record(*writer.close())
         except BaseException:
             writer.abort()
             raise
+        finally:
+            for r in self.readers.values():
+                r.close()
+            self._local.readers, self._local.pending = {}, {}
 
     def _produce(self, t: TensorPlan, writer: ShardWriter) -> Iterator[int]:
         """Queue the output bytes of tensor ``t`` on ``writer``; yield the size of each piece."""

@@ -242,38 +242,93 @@ def file_digest(path: Path) -> str:
     return h.hexdigest()
 
 
+def manifest_name(part: tuple[int, int] | None) -> str:
+    return MANIFEST_NAME if part is None else f"mxfp8_convert.partial.part-{part[0]}-of-{part[1]}.json"
+
+
+def _lock_name(part: tuple[int, int] | None) -> str:
+    return _LOCK_NAME if part is None else f"{_LOCK_NAME}-part-{part[0]}"
+
+
+def _take_lock(path: Path, what: str):
+    f = open(path, "w")
+    try:
+        fcntl.flock(f, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        f.close()
+        raise OutputError(what) from None
+    return f
+
+
 class Staging:
     """The work folder ``.NAME.mxfp8-partial`` beside ``dest``; it becomes ``dest`` on ``commit()``.
 
     Its manifest records the conversion's parameters and every finished file (size, xxh3).
     Created again with the same parameters after an interruption, it keeps the finished files
     that still verify and removes the rest; with other parameters it refuses, unless ``fresh``.
-    A lock file keeps two conversions from writing the same destination at once.
+    A lock file keeps two conversions from writing the same destination at once. With
+    ``part=(i, n)`` (a job-array task) each part has its own manifest and lock, and only
+    touches the files it ``owns``; ``finalizing()`` gathers the parts.
     """
 
-    def __init__(self, dest: Path, params: dict, *, fresh: bool = False) -> None:
-        self.dest, self.params = dest, params
-        self.path = dest.parent / f".{dest.name}{PARTIAL_SUFFIX}"
+    def __init__(self, dest: Path, params: dict, *, fresh: bool = False, part: tuple[int, int] | None = None,
+                 owned: set[str] | None = None, source: str | None = None) -> None:
+        self.dest, self.params, self.part, self.source = dest, params, part, source
+        self.path = partial_dir(dest)
+        self._manifest = manifest_name(part)
         try:
             dest.parent.mkdir(parents=True, exist_ok=True)
-            if fresh and self.path.exists():
+            if fresh and self.path.exists() and part is None:
                 shutil.rmtree(self.path)
             self.path.mkdir(exist_ok=True)
-            self._lock = open(self.path / _LOCK_NAME, "w")
         except OSError as e:
             raise os_error(self.path, e) from None
-        try:
-            fcntl.flock(self._lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
-        except OSError:
-            self._lock.close()
-            raise OutputError(f"{dest}: another mxfp8-convert is writing this destination") from None
-        self.files = self._resume()
+        who = "this destination" if part is None else f"part {part[0]} of this destination"
+        self._locks = [_take_lock(self.path / _lock_name(part), f"{dest}: another mxfp8-convert is writing {who}")]
+        if fresh and part is not None:
+            (self.path / self._manifest).unlink(missing_ok=True)
+        self.files = self._resume(owned)
         self._save()
 
-    def _resume(self) -> dict[str, dict]:
+    @classmethod
+    def finalizing(cls, dest: Path) -> tuple[Staging, list[dict]]:
+        """The work folder of a conversion split into parts, once every part has run.
+
+        Returns the staging (its ``files`` are the union of the parts') and the part manifests.
+
+        Raises:
+            OutputError: no parts, a part missing or still running, or parts with other parameters.
+        """
+        self = cls.__new__(cls)
+        self.dest, self.path, self.part, self._manifest = dest, partial_dir(dest), None, MANIFEST_NAME
+        manifests = sorted(self.path.glob("mxfp8_convert.partial.part-*-of-*.json")) if self.path.is_dir() else []
+        if not manifests:
+            raise OutputError(f"{dest}: no parts to finalize in {self.path}",
+                              hint="run the conversion with --num-parts N --part I for every I first")
+        parts = [json.loads(p.read_text()) for p in manifests]
+        n = parts[0]["params"].get("num_parts")
+        if any(p["params"] != parts[0]["params"] for p in parts):
+            raise OutputError(f"{self.path}: parts were made with different parameters; rerun them alike")
+        have = {p["part"] for p in parts}
+        missing = sorted(set(range(n)) - have)
+        if missing:
+            raise OutputError(f"{dest}: part(s) {', '.join(map(str, missing))} of {n} have not run")
+        self._locks = [_take_lock(self.path / _LOCK_NAME, f"{dest}: another mxfp8-convert is finalizing it")]
+        for i in range(n):
+            self._locks.append(_take_lock(self.path / _lock_name((i, n)), f"{dest}: part {i} of {n} is still running"))
+        self.params, self.source = parts[0]["params"], parts[0].get("source")
+        self.files = {}
+        for p in parts:
+            for rel, rec in p["files"].items():
+                f = self.path / rel
+                if f.is_file() and f.stat().st_size == rec.get("size") and file_digest(f) == rec.get("xxh3_128"):
+                    self.files[rel] = rec
+        return self, parts
+
+    def _resume(self, owned: set[str] | None) -> dict[str, dict]:
         manifest = self._read_manifest()
         if manifest is not None and manifest.get("params") != self.params:
-            self._lock.close()
+            self._release()
             diff = sorted(k for k in set(self.params) | set(manifest.get("params") or {})
                           if self.params.get(k) != (manifest.get("params") or {}).get(k))
             raise OutputError(
@@ -286,22 +341,31 @@ class Staging:
                 kept[rel] = rec
         for p in sorted(self.path.rglob("*"), reverse=True):  # anything unfinished goes
             rel = str(p.relative_to(self.path))
-            if rel in kept or rel in (MANIFEST_NAME, _LOCK_NAME) or (p.is_dir() and any(p.iterdir())):
+            if rel in kept or p.name.startswith((MANIFEST_NAME.rsplit(".", 1)[0], _LOCK_NAME)):
                 continue
-            p.unlink() if not p.is_dir() else p.rmdir()
+            if owned is not None and rel not in owned:
+                continue  # another part's file
+            if p.is_dir():
+                if not any(p.iterdir()):
+                    p.rmdir()
+            else:
+                p.unlink()
         return kept
 
     def _read_manifest(self) -> dict | None:
         try:
-            m = json.loads((self.path / MANIFEST_NAME).read_text())
+            m = json.loads((self.path / self._manifest).read_text())
             return m if isinstance(m, dict) else None
         except (OSError, ValueError):
             return None
 
     def _save(self) -> None:
-        tmp = self.path / (MANIFEST_NAME + ".tmp")
-        write_json(tmp, {"params": self.params, "files": self.files})
-        os.replace(tmp, self.path / MANIFEST_NAME)
+        tmp = self.path / (self._manifest + ".tmp")
+        doc = {"params": self.params, "source": self.source, "files": self.files}
+        if self.part is not None:
+            doc["part"] = self.part[0]
+        write_json(tmp, doc)
+        os.replace(tmp, self.path / self._manifest)
 
     def finished(self, rel: str) -> dict | None:
         """The record of a file finished by an earlier, interrupted run (or None)."""
@@ -312,10 +376,15 @@ class Staging:
         self.files[rel] = rec
         self._save()
 
+    def _release(self) -> None:
+        for f in self._locks:
+            f.close()
+
     def commit(self) -> None:
         """Rename into place; an existing destination is swapped out and then removed."""
-        for name in (MANIFEST_NAME, _LOCK_NAME):
-            (self.path / name).unlink(missing_ok=True)
+        for p in list(self.path.iterdir()):
+            if p.name.startswith(("mxfp8_convert.partial", _LOCK_NAME)):
+                p.unlink(missing_ok=True)
         _fsync_dir(self.path)
         old = None
         try:
@@ -328,19 +397,27 @@ class Staging:
                 os.rename(old, self.dest)
             raise os_error(self.dest, e) from None
         finally:
-            self._lock.close()
+            self._release()
         _fsync_dir(self.dest.parent)
         if old is not None:
             shutil.rmtree(old, ignore_errors=True)
 
     def abort(self) -> None:
-        """Remove the work folder (the input was bad: nothing to resume)."""
-        self._lock.close()
-        shutil.rmtree(self.path, ignore_errors=True)
+        """Remove the work folder (the input was bad: nothing to resume). A part only removes
+        its own manifest, since other parts may be writing beside it."""
+        self._release()
+        if self.part is None:
+            shutil.rmtree(self.path, ignore_errors=True)
+        else:
+            (self.path / self._manifest).unlink(missing_ok=True)
 
     def suspend(self) -> None:
-        """Leave the work folder for a later run to resume (interrupted)."""
-        self._lock.close()
+        """Leave the work folder for a later run to resume (interrupted, or a finished part)."""
+        self._release()
+
+
+def partial_dir(dest: Path) -> Path:
+    return dest.parent / f".{dest.name}{PARTIAL_SUFFIX}"
 
 
 def free_bytes(path: Path) -> int:

@@ -30,6 +30,10 @@ Examples:
 
   mxfp8-convert inspect deepseek-ai/DeepSeek-V3 --json
 
+  mxfp8-convert ./big --backend trtllm -o /shared/out --num-parts 8 --part $SLURM_ARRAY_TASK_ID
+
+  mxfp8-convert finalize /shared/out
+
 Exit codes: 0 done, 1 conversion or verification failed, 2 usage error, 130 interrupted.
 """
 
@@ -43,7 +47,7 @@ app = typer.Typer(
     pretty_exceptions_enable=False,
 )
 
-SUBCOMMANDS = ("convert", "verify", "inspect")
+SUBCOMMANDS = ("convert", "verify", "inspect", "finalize")
 
 ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Model folder, or Hugging Face Hub repo id (org/name).", show_default=False)]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
@@ -82,6 +86,10 @@ def convert_cmd(
     push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", metavar="REPO", help="After a conversion that verifies, upload it to this Hub repo (created if needed).")] = None,
     private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo private.")] = False,
     push_branch: Annotated[str | None, typer.Option("--push-branch", help="With --push-to-hub: the branch to upload to (created if needed).")] = None,
+    num_parts: Annotated[int | None, typer.Option("--num-parts", help="Split the conversion by input shard into N parts (job arrays); see `finalize`.")] = None,
+    part: Annotated[int | None, typer.Option("--part", help="With --num-parts: the part this task converts, 0..N-1 (e.g. $SLURM_ARRAY_TASK_ID).")] = None,
+    workers: Annotated[int, typer.Option("--workers", help="Shards converted in parallel on this machine.")] = 1,
+    max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory budget for the workers, e.g. 8GiB (fewer workers run if needed).")] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -94,6 +102,15 @@ def convert_cmd(
         raise typer.BadParameter(f"{backend!r} is not one of: {', '.join(BACKENDS)}", param_hint="--backend")
     if on_ineligible not in ("error", "keep"):
         raise typer.BadParameter(f"{on_ineligible!r} is not one of: error, keep", param_hint="--on-ineligible")
+    if (num_parts is None) != (part is None):
+        raise typer.BadParameter("--num-parts and --part go together", param_hint="--part")
+    if num_parts is not None and (num_parts < 1 or not 0 <= part < num_parts):
+        raise typer.BadParameter(f"--part {part} is not in 0..{num_parts - 1}", param_hint="--part")
+    if num_parts is not None and push_to_hub is not None:
+        raise typer.BadParameter("push after `finalize`, not from a part", param_hint="--push-to-hub")
+    if workers < 1:
+        raise typer.BadParameter("must be at least 1", param_hint="--workers")
+    budget = parse_size(max_memory) if max_memory is not None else None
     if push_to_hub is None and (private or push_branch):
         raise typer.BadParameter("--private and --push-branch need --push-to-hub", param_hint="--push-to-hub")
     if push_to_hub is not None and dry_run:
@@ -101,7 +118,9 @@ def convert_cmd(
     with handle_errors(out, debug=debug), out.progress() as on_progress:
         result = convert(model, backend, output, overwrite=overwrite, dry_run=dry_run,
                          source_format=source_format, on_ineligible=on_ineligible, ignore=ignore,
-                         revision=revision, fresh=fresh, hub_repo_id=push_to_hub, progress=on_progress)
+                         revision=revision, fresh=fresh, hub_repo_id=push_to_hub, progress=on_progress,
+                         part=(part, num_parts) if num_parts is not None else None, workers=workers,
+                         max_memory=budget)
     doc = result.to_dict()
     if push_to_hub is not None:
         with handle_errors(out, debug=debug):
@@ -126,8 +145,45 @@ def _verify_and_push(out, result, repo: str, private: bool, branch: str | None) 
     return {"repo_id": repo, "branch": branch, "private": private, "commit_url": url}
 
 
+def parse_size(text: str) -> int:
+    """'8GiB', '500MB', '1.5G' or a plain byte count -> bytes."""
+    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
+             "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
+    t = text.strip().lower()
+    num = t.rstrip("kmgtib")
+    try:
+        value = float(num)
+        factor = units[t[len(num):].strip()]
+    except (ValueError, KeyError):
+        raise typer.BadParameter(f"{text!r} is not a size like 8GiB or 500MB", param_hint="--max-memory") from None
+    return int(value * factor)
+
+
+@app.command("finalize")
+def finalize_cmd(
+    path: Annotated[str, typer.Argument(metavar="OUT", help="The output the parts were converted to.")],
+    source: Annotated[str | None, typer.Option("--source", help="The source, if not at the path the parts recorded.")] = None,
+    as_json: JsonOpt = False,
+    quiet: QuietOpt = False,
+    debug: DebugOpt = False,
+) -> None:
+    """Complete a conversion split with --num-parts: check every part ran with the same
+    parameters and its shards verify, then write the index, config, card and completion marker."""
+    from mxfp8_convert.convert import finalize
+
+    out = Output(as_json=as_json, quiet=quiet)
+    with handle_errors(out, debug=debug), out.progress() as on_progress:
+        result = finalize(path, source=source, progress=on_progress)
+    out.result(result.to_dict(), lambda console: _render_convert(console, result))
+
+
 def _render_convert(console, result, push: dict | None = None) -> None:
     plan = result.plan
+    if result.part is not None:
+        i, n = result.part
+        console.print(f"Part {i} of {n} done ({human_bytes(result.bytes_written)} in {result.seconds:.2f} s); "
+                      "run `mxfp8-convert finalize OUT` once every part has run.")
+        return
     rows = [[m.name, f"{m.n}x{m.k}", m.action, m.layout + (f" ({m.reason})" if m.reason else "")]
             for m in plan.modules]
     if result.dry_run:

@@ -1,0 +1,324 @@
+"""MXFP8 linear on Hopper (Triton engine) vs bf16 cuBLAS, and checkpoint load times.
+
+Run on the GPU (never collected by pytest):
+
+    python benchmarks/bench_gemm.py gemm  [--out DIR]   # model shapes x M, both layouts, vs bf16
+    python benchmarks/bench_gemm.py tune  [--out DIR]   # every candidate tile config per shape and M
+    python benchmarks/bench_gemm.py load  [--out DIR]   # converted vs canonical+layout-at-load
+
+Timing: CUDA-graph replays of many calls, each on its own copy of the operands (>= 400 MB
+streamed per replay, so weights come from HBM, not the 60 MB L2), CUDA events, median. TFLOP/s
+counts 2*M*N*K; ratio = bf16 time / MXFP8 time, both measured in the same run on the same
+shapes. The MXFP8 time includes quantizing the activations (every call does). Each row also
+reports ||out - ref|| / ||ref|| against a float64 product of the same quantized operands.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mxfp8_convert.runtime import MXFP8Weight, load_checkpoint  # noqa: E402
+from mxfp8_convert.runtime.reference import dequantize_mxfp8, fake_quantize_mxfp8  # noqa: E402
+from tests.runtime.shapes import MODEL_SHAPES  # noqa: E402
+
+MS = (1, 16, 128, 2048, 8192)
+
+
+def environment() -> dict:
+    import triton
+
+    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
+           "gpu": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
+           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    try:
+        import flashinfer
+
+        env["flashinfer"] = flashinfer.__version__
+    except ImportError:
+        env["flashinfer"] = None
+    return env
+
+
+def bench(fn) -> float:
+    """Median milliseconds of ``fn()`` (L2 flushed before each call)."""
+    import triton
+
+    return triton.testing.do_bench(fn, warmup=10, rep=40, return_mode="median")
+
+
+def time_graph(make_call, copies: int, reps: int = 10) -> float:
+    """Median GPU milliseconds per call, from CUDA-graph replays of ``copies`` calls.
+
+    Each call uses its own copy of the operands (``make_call(i)``), so a weight stream cannot
+    be served from the 60 MB L2 across calls, and launch overhead (which CUDA graphs remove in
+    serving engines) does not count. Kernels are compiled by a warm-up call before capture.
+    """
+    calls = [make_call(i) for i in range(copies)]
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for c in calls:
+            c()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for c in calls:
+            c()
+    graph.replay()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(reps):
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        start.record()
+        graph.replay()
+        end.record()
+        end.synchronize()
+        times.append(start.elapsed_time(end) / copies)
+    del graph
+    return sorted(times)[len(times) // 2]
+
+
+def n_copies(bytes_per_call: int, out_bytes: int) -> int:
+    """Enough operand copies to stream >= 400 MB per replay (7x L2), bounded in memory."""
+    c = -(-400_000_000 // max(bytes_per_call, 1))
+    return int(max(2, min(c, 64, 8_000_000_000 // max(out_bytes, 1))))
+
+
+def time_mx(x, w: MXFP8Weight, cfg) -> float:
+    from mxfp8_convert.runtime.triton_mxfp8 import triton_linear
+
+    m, k = x.shape
+    n = w.shape[0]
+    copies = n_copies(w.data.numel() + w.scale.numel() + x.numel() * 2, m * n * 2)
+    ws = [MXFP8Weight(w.data.clone(), w.scale.clone(), w.layout) for _ in range(copies)]
+    xs = [x.clone() for _ in range(copies)]
+    return time_graph(lambda i: (lambda: triton_linear(xs[i], ws[i], config=cfg)), copies)
+
+
+def time_bf16(x, wbf) -> float:
+    m, k = x.shape
+    copies = n_copies(wbf.numel() * 2 + x.numel() * 2, m * wbf.shape[0] * 2)
+    ws = [wbf.clone() for _ in range(copies)]
+    xs = [x.clone() for _ in range(copies)]
+    return time_graph(lambda i: (lambda: torch.nn.functional.linear(xs[i], ws[i])), copies)
+
+
+def random_weight(n: int, k: int, layout: str, seed: int = 0):
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = (torch.randn(n, k, device="cuda", generator=g) * 96).clamp(-448, 448).to(torch.float8_e4m3fn)
+    code = torch.randint(116, 126, (n, k // 32), device="cuda", generator=g).to(torch.uint8)
+    return MXFP8Weight.from_canonical(q, code, layout), q, code
+
+
+def rel_err(out, x, q, code) -> float:
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+def peak_bf16() -> float:
+    a = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    b = torch.randn(8192, 8192, device="cuda", dtype=torch.bfloat16)
+    return 2 * 8192**3 / bench(lambda: a @ b) / 1e9
+
+
+def gemm_rows(shapes, ms, layouts=("trtllm", "cutlass"), config_fn=None) -> list[dict]:
+    from mxfp8_convert.runtime.triton_mxfp8 import choose_config, triton_linear
+
+    rows = []
+    for name, n, k in shapes:
+        wbf = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        mx = {lay: random_weight(n, k, lay) for lay in layouts}
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf16 = time_bf16(x, wbf)
+            flops = 2 * m * n * k
+            for lay, (w, q, code) in mx.items():
+                cfg = (config_fn or choose_config)(m, n, k, x.device)
+                out = triton_linear(x, w, config=cfg)
+                t = time_mx(x, w, cfg)
+                rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": lay, "ms": t,
+                             "tflops": flops / t / 1e9, "bf16_ms": t_bf16, "bf16_tflops": flops / t_bf16 / 1e9,
+                             "ratio": t_bf16 / t, "rel_err": rel_err(out, x, q, code), "config": cfg.to_dict()})
+                r = rows[-1]
+                print(f"{name:32s} M={m:5d} {lay:8s} {r['tflops']:7.1f} TF/s  bf16 {r['bf16_tflops']:7.1f}  "
+                      f"x{r['ratio']:.2f}  err {r['rel_err']:.1e}  {t * 1e3:8.1f} us", flush=True)
+            del x
+        del wbf, mx
+        torch.cuda.empty_cache()
+    return rows
+
+
+def candidates(m: int, n: int, k: int, sms: int = 132) -> list:
+    """Tile configs worth timing for one (M, N, K); split-K values that keep >= 2 K-tiles/split."""
+    import dataclasses
+
+    from mxfp8_convert.runtime.triton_mxfp8 import GemmConfig, _fit_block_k
+
+    def g(bn, bm, bk, warps, stages, fuse):
+        return GemmConfig(bn, bm, _fit_block_k(k, bk), fuse_quant=fuse, num_warps=warps, num_stages=stages)
+
+    if m <= 64:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        bases = [g(64, bm, 128, 4, 4, True), g(64, bm, 128, 4, 4, False), g(64, bm, 256, 4, 3, False),
+                 g(128, bm, 128, 4, 4, False)]
+    elif m <= 512:
+        bases = [g(64, 128, 64, 4, 4, False), g(128, 128, 64, 8, 4, False), g(64, 64, 128, 4, 4, False)]
+    else:
+        bases = [g(128, 256, 64, 8, 4, False), g(128, 256, 64, 8, 3, False), g(64, 256, 64, 4, 3, False),
+                 g(64, 128, 64, 4, 4, False), g(128, 128, 64, 8, 4, False)]
+    out = []
+    for b in bases:
+        tiles = -(-n // b.block_n) * -(-m // b.block_m)
+        kt = k // b.block_k
+        splits = [1] + [s_ for s_ in (2, 4, 8, 16) if tiles * s_ <= 8 * sms and kt // s_ >= 2]
+        if m > 512:
+            splits = splits[:2]
+        out += [dataclasses.replace(b, split_k=s_) for s_ in splits]
+    return out
+
+
+def tune(shapes, ms) -> list[dict]:
+    """Time every candidate config (trtllm layout) per (shape, M); report best vs heuristic vs bf16."""
+    import dataclasses
+
+    from mxfp8_convert.runtime.triton_mxfp8 import choose_config
+
+    rows = []
+    for name, n, k in shapes:
+        w, q, code = random_weight(n, k, "trtllm")
+        wc = MXFP8Weight.from_canonical(q, code, "cutlass")
+        wbf = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            flops = 2 * m * n * k
+            t_bf16 = time_bf16(x, wbf)
+            res = []
+            for cfg in candidates(m, n, k):
+                try:
+                    res.append((time_mx(x, w, cfg), cfg))
+                except Exception as e:  # noqa: BLE001 - a config that does not compile is a result
+                    print(f"  {cfg}: FAILED {type(e).__name__}: {str(e)[:100]}", flush=True)
+            res.sort(key=lambda r: r[0])
+            heur = choose_config(m, n, k, x.device)
+            t_heur = time_mx(x, w, heur)
+            best_t, best = res[0]
+            extra = {}
+            if m >= 2048:  # same config on the cutlass layout
+                extra["cutlass_ms"] = time_mx(x, wc, best)
+            if best.split_k > 1:  # the two-kernel split-K reduction instead of the serial one
+                extra["two_kernel_ms"] = time_mx(x, w, dataclasses.replace(best, serial_reduce=False))
+            row = {"shape": name, "m": m, "n": n, "k": k, "bf16_ms": t_bf16, "best_ms": best_t,
+                   "best": best.to_dict(), "heuristic_ms": t_heur, "heuristic": heur.to_dict(),
+                   "all": [(t, c.to_dict()) for t, c in res], **extra}
+            rows.append(row)
+            b = best
+            print(f"{name:32s} M={m:5d} bf16 {flops / t_bf16 / 1e9:6.1f} TF/s {t_bf16 * 1e3:8.1f} us | best "
+                  f"{flops / best_t / 1e9:6.1f} x{t_bf16 / best_t:.2f} [{b.block_n}x{b.block_m}x{b.block_k} s{b.split_k} "
+                  f"f{int(b.fuse_quant)} w{b.num_warps} st{b.num_stages}] | heur x{t_bf16 / t_heur:.2f}"
+                  + "".join(f" | {key[:-3]} x{t_bf16 / val:.2f}" for key, val in extra.items()), flush=True)
+        del w, wc, wbf
+        torch.cuda.empty_cache()
+    return rows
+
+
+def load_bench(root: Path, layers: int = 8) -> dict:
+    """Load a converted checkpoint onto the GPU vs load a canonical one and lay it out on the GPU."""
+    from mxfp8_convert.backends import BACKENDS
+    from tests.runtime.ckpt_writer import write_canonical_source, write_checkpoint
+
+    shapes = {"self_attn.q_proj": (4096, 4096), "self_attn.k_proj": (1024, 4096), "self_attn.v_proj": (1024, 4096),
+              "self_attn.o_proj": (4096, 4096), "mlp.gate_proj": (14336, 4096), "mlp.up_proj": (14336, 4096),
+              "mlp.down_proj": (4096, 14336)}
+    canon, laid = {}, {}
+    for i in range(layers):
+        for mod, (n, k) in shapes.items():
+            w, q, code = random_weight(n, k, "trtllm", seed=i)
+            canon[f"model.layers.{i}.{mod}"] = (q.cpu(), code.cpu())
+            laid[f"model.layers.{i}.{mod}"] = w.to("cpu")
+    conv_dir = write_checkpoint(root / "converted", laid, backend="trtllm")
+    src_dir = write_canonical_source(root / "canonical", canon)
+    nbytes = sum(f.stat().st_size for f in conv_dir.glob("*.safetensors"))
+    for d in (conv_dir, src_dir):  # warm the page cache for both, so both read from memory
+        for f in d.glob("*.safetensors"):
+            f.read_bytes()
+
+    def load_converted():
+        ck = load_checkpoint(conv_dir, device="cuda", engine="triton")
+        torch.cuda.synchronize()
+        return ck
+
+    def load_canonical_and_layout():
+        from safetensors import safe_open
+
+        spec = BACKENDS["trtllm"]
+        out = {}
+        with safe_open(str(src_dir / "model.safetensors"), framework="pt", device="cuda") as f:
+            for name in canon:
+                q = f.get_tensor(f"{name}.weight")
+                code = f.get_tensor(f"{name}.weight_scale_inv")
+                out[name] = (spec.weight_forward(q.view(torch.uint8)), spec.scale_forward(code))
+        torch.cuda.synchronize()
+        return out
+
+    times = {"converted": [], "canonical_plus_layout": []}
+    for _ in range(3):
+        for key, fn in (("converted", load_converted), ("canonical_plus_layout", load_canonical_and_layout)):
+            torch.cuda.empty_cache()
+            t0 = time.perf_counter()
+            res = fn()
+            times[key].append(time.perf_counter() - t0)
+            del res
+    # layout alone, on tensors already on the GPU
+    spec = BACKENDS["trtllm"]
+    gpu = {k: (q.cuda(), c.cuda()) for k, (q, c) in canon.items()}
+    torch.cuda.synchronize()
+    t0 = time.perf_counter()
+    for q, c in gpu.values():
+        spec.weight_forward(q.view(torch.uint8))
+        spec.scale_forward(c)
+    torch.cuda.synchronize()
+    t_layout = time.perf_counter() - t0
+    med = {k: sorted(v)[1] for k, v in times.items()}
+    res = {"layers": layers, "bytes": nbytes, "times_s": times, "median_s": med, "layout_only_s": t_layout,
+           "modules": len(canon)}
+    print(f"load: {nbytes / 1e9:.2f} GB, {len(canon)} modules; converted {med['converted']:.3f} s, "
+          f"canonical+layout {med['canonical_plus_layout']:.3f} s, layout alone on GPU {t_layout:.3f} s", flush=True)
+    return res
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("mode", choices=["gemm", "tune", "load"])
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--ms", default=",".join(map(str, MS)))
+    args = p.parse_args()
+    out = Path(args.out)
+    out.mkdir(parents=True, exist_ok=True)
+    result = {"env": environment(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "mode": args.mode}
+    print(json.dumps(result["env"]), flush=True)
+    if args.mode == "gemm":
+        result["bf16_peak_tflops_8192"] = peak_bf16()
+        print(f"bf16 8192^3: {result['bf16_peak_tflops_8192']:.1f} TF/s", flush=True)
+        result["rows"] = gemm_rows(MODEL_SHAPES, [int(m) for m in args.ms.split(",")])
+    elif args.mode == "tune":
+        result["rows"] = tune(MODEL_SHAPES, [int(m) for m in args.ms.split(",")])
+    else:
+        with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
+            result["load"] = load_bench(Path(tmp))
+    (out / f"bench_{args.mode}.json").write_text(json.dumps(result, indent=1))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,110 @@
+"""The Triton engine on a real GPU (Hopper): model shapes, both layouts, M from 1 to 8192.
+
+Oracle: float64 product of the *same quantized operands* (activations quantized with the torch
+reference recipe, weight dequantized from the canonical bytes the layout was made from). The
+kernel's only freedom is fp32 summation order and the final bf16 rounding, so
+||out - ref|| / ||ref|| sits near 2e-3 (bf16 half-ulp, 2^-9, times ~1/sqrt(3)); we require <= 1e-2.
+Outputs are poisoned with NaN first so an unwritten element fails the test.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from mxfp8_convert.runtime import MXFP8Weight, mxfp8_linear
+from mxfp8_convert.runtime.reference import dequantize_mxfp8, fake_quantize_mxfp8, quantize_mxfp8
+from tests.runtime.shapes import MODEL_SHAPES
+
+pytestmark = pytest.mark.gpu
+LAYOUTS = ("trtllm", "cutlass")
+MS = (1, 16, 100, 2048, 8192)
+
+
+def _triton():
+    return pytest.importorskip("mxfp8_convert.runtime.triton_mxfp8")
+
+
+def random_weight(n: int, k: int, layout: str, seed: int) -> tuple[MXFP8Weight, torch.Tensor, torch.Tensor]:
+    """A random laid-out weight on the GPU and the canonical (q, code) it was laid out from."""
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    q = (torch.randn(n, k, device="cuda", generator=g) * 96).clamp(-448, 448).to(torch.float8_e4m3fn)
+    code = torch.randint(116, 126, (n, k // 32), device="cuda", generator=g).to(torch.uint8)
+    return MXFP8Weight.from_canonical(q, code, layout), q, code
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return float((out.double() - ref).norm() / ref.norm())
+
+
+@pytest.mark.parametrize("m", MS)
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name,n,k", MODEL_SHAPES, ids=[s[0] for s in MODEL_SHAPES])
+def test_model_shapes(name, n, k, layout, m):
+    tri = _triton()
+    w, q, code = random_weight(n, k, layout, seed=n * 7 + k + m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    tri.triton_linear(x, w, out=out)
+    assert not out.isnan().any(), f"{name}: {int(out.isnan().sum())} output elements never written"
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+    err = rel_err(out, ref)
+    assert err <= 1e-2, f"{name} {layout} M={m}: rel err {err:.2e}"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+def test_activation_quantization_bit_exact(dtype):
+    tri = _triton()
+    top = 4 if dtype == torch.float16 else 6  # stay finite in fp16
+    x = torch.randn(300, 4096, device="cuda") * torch.logspace(-6, top, 4096, device="cuda")
+    x[5, 64:96] = 0  # an all-zero block: code 0, bytes 0
+    x[7, :32] = -0.0
+    x = x.to(dtype)
+    got = tri.quantize_activations(x, codes=True)
+    q, code = quantize_mxfp8(x)
+    assert torch.equal(got["code"], code)
+    assert torch.equal(got["q"].view(torch.uint8), q.view(torch.uint8))
+    assert torch.equal(got["deq"].float(), dequantize_mxfp8(q, code))
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
+@pytest.mark.parametrize("fuse", [True, False])
+@pytest.mark.parametrize("w_in_regs", [True, False])
+def test_configs_agree(layout, fuse, w_in_regs):
+    """Every kernel variant: fused/separate quantization, both MMA orientations, split-K with the
+    serial (last-CTA) or the two-kernel reduction, repeated so the arrival counters must re-arm."""
+    tri = _triton()
+    n, k = 576, 7168
+    w, q, code = random_weight(n, k, layout, seed=3)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(37, k, device="cuda", dtype=torch.bfloat16)
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
+    for split, serial in ((1, True), (3, True), (3, False), (7, True)):
+        cfg = tri.GemmConfig(64 if w_in_regs else 128, 64, 128, split_k=split, fuse_quant=fuse,
+                             w_in_regs=w_in_regs, num_warps=4, num_stages=3, serial_reduce=serial)
+        out = torch.full((37, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+        tri.triton_linear(x, w, bias, out=out, config=cfg)
+        assert not out.isnan().any()
+        assert rel_err(out, ref) <= 1e-2
+
+
+def test_auto_engine_is_triton_on_hopper():
+    from mxfp8_convert.runtime import auto_engine
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    assert auto_engine("cuda") == "triton"
+    w, q, code = random_weight(256, 512, "trtllm", seed=1)
+    x = torch.randn(2, 5, 512, device="cuda", dtype=torch.bfloat16)
+    out = mxfp8_linear(x, w)
+    assert out.shape == (2, 5, 256) and out.dtype == torch.bfloat16
+
+
+def test_flashinfer_engine_refused_on_hopper():
+    from mxfp8_convert.errors import BackendUnavailableError
+
+    if torch.cuda.get_device_capability()[0] != 9:
+        pytest.skip("not a Hopper GPU")
+    w, _, _ = random_weight(256, 512, "trtllm", seed=1)
+    with pytest.raises(BackendUnavailableError, match="engine='triton'|SM100|runs on"):
+        mxfp8_linear(torch.randn(4, 512, device="cuda"), w, engine="flashinfer")
