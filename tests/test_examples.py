@@ -85,3 +85,36 @@ def test_workflow_structure_without_yaml(monkeypatch):
     assert "HF_TOKEN: ${{ secrets.HF_TOKEN }}" in text
     assert 'mxfp8-convert verify "$OUT"' in text
 
+
+
+def test_convert_and_run_example(tmp_path):
+    src = write_checkpoint(tmp_path / "model", TINY)
+    p = subprocess.run([sys.executable, str(EXAMPLES / "convert_and_run.py"), str(src), "--backend", "trtllm",
+                        "-o", str(tmp_path / "out")], capture_output=True, text=True, timeout=300)
+    assert p.returncode == 0, p.stderr
+    last = p.stdout.strip().splitlines()[-1]
+    assert "-> y [4, 512] torch.bfloat16" in last and last.endswith("relative difference to the reference 0.00e+00")
+
+
+def test_slurm_array_script_dry_run_and_parts(tmp_path):
+    import json
+    import os
+    import shutil
+
+    if shutil.which("mxfp8-convert") is None:
+        import pytest
+
+        pytest.skip("the console script is not installed (pip install -e .)")
+    src = write_checkpoint(tmp_path / "model", TINY)
+    script = str(EXAMPLES / "slurm-convert-array.sh")
+    out = tmp_path / "out"
+    env = {**os.environ, "DRY_RUN": "1"}
+    p = subprocess.run(["bash", script, str(src), str(out)], capture_output=True, text=True, env=env, timeout=300)
+    assert p.returncode == 0, p.stderr
+    assert json.loads(p.stdout)["dry_run"] is True and not out.exists()
+    for task in range(2):  # what SLURM would run, one task per array index
+        env = {**os.environ, "SLURM_ARRAY_TASK_COUNT": "2", "SLURM_ARRAY_TASK_ID": str(task)}
+        p = subprocess.run(["bash", script, str(src), str(out)], capture_output=True, text=True, env=env, timeout=300)
+        assert p.returncode == 0, p.stderr
+    assert subprocess.run(["mxfp8-convert", "finalize", str(out)], capture_output=True, timeout=300).returncode == 0
+    assert (out / "mxfp8_convert.complete.json").exists()
