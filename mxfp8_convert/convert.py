@@ -22,6 +22,7 @@ from mxfp8_convert.plan import (
     COMPLETE_MARKER,
     ConversionPlan,
     ModulePlan,
+    MoELayerPlan,
     ShardPlan,
     TensorPlan,
     build_plan,
@@ -37,9 +38,9 @@ from mxfp8_convert.read import (
 )
 from mxfp8_convert.transform import (
     canonical_module,
+    MOE_FUSE,
     check_scale_codes,
-    first_e4m3_nan,
-    has_e4m3_nan,
+    fuse_expert,
     layout_scale,
     layout_weight_chunk,
     weight_granule,
@@ -55,6 +56,7 @@ from mxfp8_convert.write import (
 )
 
 CHUNK_BYTES = 32 << 20
+E4M3_NAN_BYTES = bytes([0x7F, 0xFF])
 #: chunks queued for the writer thread while the next one is read and laid out
 PIPELINE_DEPTH = 2
 
@@ -118,6 +120,7 @@ def plan_conversion(
     on_ineligible: str = "error",
     ignore: list[str] | None = None,
     revision: str | None = None,
+    moe: str = "fuse",
     progress: ProgressCallback | None = None,
 ) -> tuple[SourceCheckpoint, ConversionPlan]:
     """Open the source and build the plan (headers only). See ``plan.build_plan``."""
@@ -128,7 +131,7 @@ def plan_conversion(
     ckpt = open_checkpoint(root)
     emit(ProgressEvent("planning"))
     fmt = get_format(source_format) if source_format else detect(ckpt.config, ckpt.hf_quant_config, set(ckpt.tensors))
-    return ckpt, build_plan(ckpt, spec, fmt, on_ineligible=on_ineligible, ignore=ignore)
+    return ckpt, build_plan(ckpt, spec, fmt, on_ineligible=on_ineligible, ignore=ignore, moe=moe)
 
 
 def convert(
@@ -147,6 +150,7 @@ def convert(
     part: tuple[int, int] | None = None,
     workers: int = 1,
     max_memory: int | None = None,
+    moe: str = "fuse",
     progress: ProgressCallback | None = None,
 ) -> ConversionResult:
     """Convert a checkpoint to the layout of ``backend``.
@@ -167,6 +171,10 @@ def convert(
             the shared work folder; ``finalize(output)`` completes the output once all parts ran.
         workers: shards converted in parallel.
         max_memory: bytes the workers may use together (fewer workers run if needed).
+        moe: ``"fuse"`` (default): per-expert MoE weights (``...experts.<e>.{gate,up,down}_proj``
+            or ``w1/w3/w2``) become the fused MoE kernel's ``[E, 2I, H]`` / ``[E, H, I]`` tensors
+            for trtllm, and linears like any other for other backends; ``"keep"``: they stay
+            per-expert canonical MXFP8.
         progress: callback receiving ``ProgressEvent``s.
 
     Returns:
@@ -180,7 +188,7 @@ def convert(
     """
     t0 = time.perf_counter()
     ckpt, plan = plan_conversion(model, backend, source_format=source_format, on_ineligible=on_ineligible,
-                                 ignore=ignore, revision=revision, progress=progress)
+                                 ignore=ignore, revision=revision, moe=moe, progress=progress)
     dest = Path(output) if output is not None else default_output(str(model), backend)
     check_destination(dest, ckpt.root, overwrite=overwrite)
     if dry_run:
@@ -191,7 +199,7 @@ def convert(
                           hint="free disk space or choose another -o")
     params = {"source_fingerprint": plan.fingerprint, "backend": backend, "format": plan.format,
               "on_ineligible": on_ineligible, "ignore": sorted(ignore or []), "tool_version": __version__,
-              "format_version": FORMAT_VERSION}
+              "format_version": FORMAT_VERSION, "moe": moe}
     shards = list(plan.shards)
     if part is not None:
         i, n = _check_part(part)
@@ -237,7 +245,8 @@ def _workers(plan: ConversionPlan, workers: int, max_memory: int | None) -> int:
     float32 working chunks)."""
     if workers < 1:
         raise ConvertError(f"--workers must be at least 1, got {workers}")
-    whole = [m.n * m.k * 2 for m in plan.modules if m.action != "relayout" and m.action != "keep"
+    modules = (*plan.modules, *(m for layer in plan.moe for m in layer.modules))
+    whole = [m.n * m.k * 2 for m in modules if m.action != "relayout" and m.action != "keep"
              or m.source_backend is not None]
     per_worker = WORKER_BASE_BYTES + max(whole, default=0)
     if max_memory is not None:
@@ -273,7 +282,7 @@ def finalize(output: str | Path, *, source: str | Path | None = None, hub_repo_i
     try:
         p = staging.params
         ckpt, plan = plan_conversion(str(source or staging.source), p["backend"], source_format=p["format"],
-                                     on_ineligible=p["on_ineligible"], ignore=p["ignore"])
+                                     on_ineligible=p["on_ineligible"], ignore=p["ignore"], moe=p.get("moe", "fuse"))
         if plan.fingerprint != p["source_fingerprint"]:
             raise OutputError(f"{ckpt.root}: not the source the parts were converted from (fingerprint differs)")
         missing = [s.name for s in plan.shards if s.name not in staging.files]
@@ -305,6 +314,7 @@ class _Executor:
         self.hub_repo_id = hub_repo_id
         self.staging, self.out = staging, staging.path
         self.modules = {m.name: m for m in plan.modules}
+        self.moe = {layer.name: layer for layer in plan.moe}
         self.errors: dict[str, dict] = {}
         self.done = 0
         self._lock = threading.Lock()
@@ -351,6 +361,7 @@ class _Executor:
 
     def _shard_errors(self, shard: ShardPlan) -> dict:
         modules = {t.module for t in shard.tensors if t.module}
+        modules |= {m.name for name in modules & self.moe.keys() for m in self.moe[name].modules}
         return {m: e for m, e in self.errors.items() if m in modules}
 
     def completion_record(self, files: dict[str, dict]) -> dict:
@@ -406,21 +417,30 @@ class _Executor:
     def _produce(self, t: TensorPlan, writer: ShardWriter) -> Iterator[int]:
         """Queue the output bytes of tensor ``t`` on ``writer``; yield the size of each piece."""
         m = self.modules.get(t.module) if t.module else None
-        if m is None:
+        if t.module in self.moe:
+            yield from self._fused(t, self.moe[t.module], writer)
+        elif m is None:
             yield from self._copy(self.ckpt.tensors[t.source], writer, check_nan=False)
         elif m.action in ("relayout", "keep") and m.source_backend is None:
             yield from self._stream_mxfp8(t, m, writer)
         else:
             yield from self._from_canonical(t, m, writer)
 
+    @staticmethod
+    def _check_nan(reader: ShardReader, info, begin: int, n: int) -> None:
+        """e4m3 NaN is 0x7F or 0xFF: refuse it, naming the tensor and the [row, col]."""
+        at = reader.find_byte(begin, n, E4M3_NAN_BYTES)
+        if at >= 0:
+            row, col = divmod(at - info.begin, info.shape[-1])
+            raise LayoutError(f"{info.file}: weight {info.name!r} holds NaN (e4m3 byte 0x7F/0xFF) at [{row}, {col}]")
+
     def _copy(self, info, writer: ShardWriter, *, check_nan: bool) -> Iterator[int]:
         """Unchanged bytes: copied in the kernel (copy_file_range), as cp does."""
         reader = self.reader(info)
         for begin, n in chunk_ranges(info, granule=1, chunk_bytes=CHUNK_BYTES):
             src = reader.view(begin, n)
-            if check_nan and has_e4m3_nan(src):
-                raise LayoutError(f"{info.file}: weight {info.name!r} holds NaN (e4m3 byte 0x7F/0xFF) at "
-                                  f"{first_e4m3_nan(self.source(info).view(torch.uint8))}")
+            if check_nan:
+                self._check_nan(reader, info, begin, n)
             writer.copy(reader.fd, begin, src, lambda _, b=begin, k=n: reader.drop(b, k))
             yield n
 
@@ -444,9 +464,7 @@ class _Executor:
         reader = self.reader(info)
         for begin, n in chunk_ranges(info, granule=granule, chunk_bytes=CHUNK_BYTES):
             src = reader.view(begin, n)
-            if has_e4m3_nan(src):
-                raise LayoutError(f"{info.file}: weight {info.name!r} holds NaN (e4m3 byte 0x7F/0xFF) at "
-                                  f"{first_e4m3_nan(self.source(info).view(torch.uint8))}")
+            self._check_nan(reader, info, begin, n)
             laid = layout_weight_chunk(t, self.backend, src, self.pool.get(n))
             reader.drop(begin, n)
             writer.write(laid, self.pool.release)
@@ -469,6 +487,7 @@ class _Executor:
         if t.role == "weight_scale":
             writer.write(layout_scale(t, self.backend, s).reshape(-1))
             self.pending.pop(m.name)
+            self._drop(m)
             yield t.nbytes
             return
         flat = q.reshape(-1)
@@ -482,6 +501,49 @@ class _Executor:
                 writer.write(layout_weight_chunk(t, self.backend, chunk, self.pool.get(chunk.numel())),
                              self.pool.release)
             yield chunk.numel()
+
+    def _drop(self, m: ModulePlan) -> None:
+        """Done with a module's source bytes: let their pages leave the resident set."""
+        for info in (m.weight, m.scale):
+            if info is not None:
+                self.reader(info).drop(info.begin, info.nbytes)
+
+    def _fused(self, t: TensorPlan, layer: MoELayerPlan, writer: ShardWriter) -> Iterator[int]:
+        """A fused MoE tensor, produced expert by expert (it is contiguous per expert).
+
+        Only one expert's canonical weights are in memory at a time. Canonical scales are
+        taken again for the scale tensors that follow the weights; sources whose canonical
+        bytes are computed (FP8, dense, laid out) keep them from the weight pass instead, which
+        is at most one layer's scales (1/32 of its weights).
+        """
+        projs, _ = MOE_FUSE[t.role]
+        take = self._expert_weight if t.role.endswith("_weight") else self._expert_scale
+        for e in range(layer.experts):
+            out = fuse_expert(t.role, [take(layer.module(p, e)) for p in projs])
+            writer.write(out)
+            yield out.numel()
+            del out  # the writer holds it until written
+
+    def _expert_weight(self, m: ModulePlan) -> torch.Tensor:
+        q, s = self._canonical(m)
+        if _computed(m):
+            self.pending[m.name] = (None, s)  # its scale, for the scale tensor
+        else:
+            self.pending.pop(m.name)
+            self._check_nan(self.reader(m.weight), m.weight, m.weight.begin, m.weight.nbytes)
+        self._drop(m)
+        return q.reshape(m.n, m.k)
+
+    def _expert_scale(self, m: ModulePlan) -> torch.Tensor:
+        _, s = self._canonical(m)
+        self.pending.pop(m.name)
+        self._drop(m)
+        return s
+
+
+def _computed(m: ModulePlan) -> bool:
+    """Whether a module's canonical bytes are computed (not views of the source's own bytes)."""
+    return m.action not in ("relayout", "keep") or m.source_backend is not None
 
 
 def _file_record(size: int, digest: str) -> dict:

@@ -87,9 +87,11 @@ def _fail(path: str, what: str, hint: str | None = None) -> SourceError:
 def safe_child(root: Path, rel: str, *, what: str) -> Path:
     """Return ``root/rel`` if ``rel`` stays inside ``root``, else raise SourceError.
 
-    ``rel`` must be relative with no ``..``; a symlink may point outside the folder only into
-    the blob store of a Hugging Face cache snapshot (``<repo>/snapshots/<rev>`` ->
-    ``<repo>/blobs``), which is how the Hub cache lays files out.
+    ``rel`` must be relative, normalised (no ``.``, ``..``, ``//`` or trailing ``/``: one
+    spelling per file) and free of NUL bytes. A symlink may point outside the folder only into
+    the blob store of the Hugging Face cache snapshot the folder belongs to
+    (``<repo>/snapshots/<rev>[/<sub>]`` -> ``<repo>/blobs``), which is how the Hub cache lays
+    files out. Nothing is opened.
     """
     if (
         not isinstance(rel, str)
@@ -109,12 +111,23 @@ def safe_child(root: Path, rel: str, *, what: str) -> Path:
         raise SourceError(f"{what} {rel!r} cannot be resolved ({_reason(e)})") from None
     if real == real_root or real_root in real.parents:
         return p
-    # Hub cache: snapshots/<rev>/<file> -> ../../blobs/<hash>. `blobs` is deliberately not
-    # resolved: were it a link itself, no resolved path would have it as a parent.
-    blobs = real_root.parent.parent / "blobs"
-    if real_root.parent.name == "snapshots" and blobs in real.parents:
+    blobs = _hub_blobs(real_root)
+    if blobs is not None and blobs in real.parents:
         return p
     raise SourceError(f"{what} {rel!r} is a link that leads outside the model folder")
+
+
+def _hub_blobs(real_root: Path) -> Path | None:
+    """``<repo>/blobs`` if ``real_root`` is (inside) a Hub cache snapshot ``<repo>/snapshots/<rev>``.
+
+    Its files are links ``../../blobs/<hash>`` (huggingface_hub ``_create_symlink``). ``blobs``
+    is deliberately not resolved: were it a link itself, no resolved path would have it as a
+    parent, so it cannot widen what is reachable.
+    """
+    for folder in (real_root, *real_root.parents):
+        if folder.parent.name == "snapshots":
+            return folder.parent.parent / "blobs"
+    return None
 
 
 def _reason(e: BaseException) -> str:
@@ -195,9 +208,14 @@ def _depth_exceeds(obj, limit: int) -> bool:
 def read_header(root: Path, relpath: str) -> ShardHeader:
     """Parse and validate the header of safetensors file ``root/relpath``.
 
-    Checks: the length prefix fits the file and the 100 MB limit; the header is a JSON object;
-    every entry has a known dtype, a shape of non-negative ints and ``data_offsets`` that match
-    dtype x shape, lie inside the file and neither overlap nor leave holes.
+    Checks: the file is a regular file inside the model folder; the length prefix fits the
+    file and the 100 MB limit; the header is a JSON object naming each tensor once; every entry
+    has a known dtype, a shape of non-negative ints and ``data_offsets`` that match dtype x
+    shape, lie inside the file and neither overlap nor leave holes. Shapes are multiplied as
+    Python ints, never allocated: ``[2**40, 2**40]`` fails on its offsets.
+
+    Raises:
+        SourceError: naming ``relpath`` and, where it is one tensor's fault, the tensor.
     """
     f, size = _open_regular(root, relpath, what="shard")
     try:
@@ -331,7 +349,10 @@ def open_checkpoint(root: str | os.PathLike) -> SourceCheckpoint:
 
     Raises:
         SourceError: missing folder or files, malformed JSON or headers, index naming missing
-            shards or tensors, a tensor in two shards, paths leaving the folder.
+            shards or tensors or one tensor twice, a tensor in two shards, paths or links
+            leaving the folder, pipes or devices where files should be, JSON files too large
+            or nested too deep. Pickles (``*.bin``, ``*.pt``...) are never opened: alone they
+            fail ("safetensors is required"), beside safetensors they are ignored.
     """
     root = Path(root)
     try:
@@ -443,6 +464,18 @@ class ShardReader:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": we never write
             return torch.frombuffer(self._mm, dtype=torch.uint8, count=n, offset=begin)
+
+    def find_byte(self, begin: int, n: int, values: bytes) -> int:
+        """Offset of the first byte in ``[begin, begin + n)`` equal to one of ``values``, or -1.
+
+        mmap.find scans at memchr speed without copying or allocating, which is what a check
+        on every weight byte can afford.
+        """
+        if self._mm is None or n == 0:
+            return -1
+        hits = [self._mm.find(bytes([v]), begin, begin + n) for v in values]
+        hits = [h for h in hits if h >= 0]
+        return min(hits) if hits else -1
 
     def drop(self, begin: int, n: int) -> None:
         page = mmap.PAGESIZE
