@@ -45,11 +45,14 @@ def _list(v) -> list[str]:
     return [str(x) for x in v] if isinstance(v, list) else []
 
 
+def _block_size(q: dict) -> list:
+    v = q.get("weight_block_size")
+    return list(v) if isinstance(v, list) else []
+
+
 def _is_sglang_mxfp8(cfg: dict, hfq: dict) -> bool:
     q = _qc(cfg)
-    return q.get("quant_method") == "mxfp8" or (
-        q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [1, 32]
-    )
+    return q.get("quant_method") == "mxfp8" or (q.get("quant_method") == "fp8" and _block_size(q) == [1, 32])
 
 
 def _ct_groups(cfg: dict) -> list[dict]:
@@ -57,7 +60,9 @@ def _ct_groups(cfg: dict) -> list[dict]:
     if q.get("quant_method") != "compressed-tensors":
         return []
     groups = q.get("config_groups")
-    return [g.get("weights") or {} for g in groups.values() if isinstance(g, dict)] if isinstance(groups, dict) else []
+    if not isinstance(groups, dict):
+        return []
+    return [g["weights"] for g in groups.values() if isinstance(g, dict) and isinstance(g.get("weights"), dict)]
 
 
 def _is_ct_mxfp8(cfg: dict, hfq: dict) -> bool:
@@ -92,12 +97,12 @@ def _modelopt_algo(cfg: dict, hfq: dict) -> str | None:
 
 def _is_block_fp8(cfg: dict, hfq: dict) -> bool:
     q = _qc(cfg)
-    return q.get("quant_method") == "fp8" and list(q.get("weight_block_size") or []) == [128, 128]
+    return q.get("quant_method") == "fp8" and _block_size(q) == [128, 128]
 
 
 def _is_fp8(cfg: dict, hfq: dict) -> bool:
     q = _qc(cfg)
-    return (q.get("quant_method") == "fp8" and not q.get("weight_block_size")) or (
+    return (q.get("quant_method") == "fp8" and not _block_size(q)) or (
         q.get("quant_method") == "modelopt" and _modelopt_algo(cfg, hfq) == "FP8"
     )
 

@@ -85,6 +85,7 @@ class ShardWriter:
         self._pending: deque = deque()
         self._depth = depth
         try:
+            path.parent.mkdir(parents=True, exist_ok=True)  # shards may sit in a subfolder
             self._f = open(path, "wb", buffering=0)  # raw: writes and kernel copies share the offset
         except OSError as e:
             raise os_error(path, e) from None
@@ -280,15 +281,22 @@ class Staging:
             dest.parent.mkdir(parents=True, exist_ok=True)
             if fresh and self.path.exists() and part is None:
                 shutil.rmtree(self.path)
+            created = not self.path.exists()
             self.path.mkdir(exist_ok=True)
         except OSError as e:
             raise os_error(self.path, e) from None
         who = "this destination" if part is None else f"part {part[0]} of this destination"
         self._locks = [_take_lock(self.path / _lock_name(part), f"{dest}: another mxfp8-convert is writing {who}")]
-        if fresh and part is not None:
-            (self.path / self._manifest).unlink(missing_ok=True)
-        self.files = self._resume(owned)
-        self._save()
+        try:
+            if fresh and part is not None:
+                (self.path / self._manifest).unlink(missing_ok=True)
+            self.files = self._resume(owned)
+            self._save()
+        except BaseException:  # e.g. ENOSPC on the first manifest: leave nothing behind we made
+            self._release()
+            if created:
+                shutil.rmtree(self.path, ignore_errors=True)
+            raise
 
     @classmethod
     def finalizing(cls, dest: Path) -> tuple[Staging, list[dict]]:
