@@ -5,6 +5,7 @@ Run on the GPU (never collected by pytest):
     python benchmarks/bench_gemm.py gemm  [--out DIR]   # model shapes x M, both layouts, vs bf16
     python benchmarks/bench_gemm.py tune  [--out DIR]   # every candidate tile config per shape and M
     python benchmarks/bench_gemm.py load  [--out DIR]   # converted vs canonical+layout-at-load
+    python benchmarks/bench_gemm.py decode [--sweep] [--out DIR]  # M <= 16: the decode kernel vs bf16
 
 Timing: CUDA-graph replays of many calls, each on its own copy of the operands (>= 400 MB
 streamed per replay, so weights come from HBM, not the 60 MB L2), CUDA events, median. TFLOP/s
@@ -233,6 +234,110 @@ def tune(shapes, ms) -> list[dict]:
     return rows
 
 
+DECODE_MS = (1, 4, 16)
+
+
+def decode_variants(m: int, n: int, k: int, sweep: bool) -> dict:
+    """Configs timed per (shape, M): the rule (``choose_config``) and, with ``sweep``, alternatives
+    (``old``: the tile kernel's small-M config, i.e. the path before the decode kernel)."""
+    from mxfp8_convert.runtime.triton_mxfp8 import choose_config, decode_config
+
+    dev = torch.device("cuda")
+    out = {"rule": choose_config(m, n, k, dev)}
+    if not sweep:
+        return out
+    out["old"] = choose_config(m, n, k, dev, decode=False)
+    d = lambda **kw: decode_config(m, n, k, dev, **kw)  # noqa: E731
+    out.update({  # decode-kernel alternatives (serial split-K reduction)
+        "b64.w2": d(waves=2),
+        "b64.w3": d(waves=3),
+        "b64.fuse": d(fuse_quant=True, waves=3),
+        "b128.w3": d(block_n=128, num_stages=4, waves=3),
+    })
+    return out
+
+
+def _linear_calls(xs, wbfs):
+    return lambda i: (lambda: torch.nn.functional.linear(xs[i], wbfs[i]))
+
+
+def _mx_calls(xs, ws, cfg):
+    from mxfp8_convert.runtime.triton_mxfp8 import triton_linear
+
+    return lambda i: (lambda: triton_linear(xs[i], ws[i], config=cfg))
+
+
+def decode_rows(shapes, ms, layouts, sweep: bool) -> list[dict]:
+    """Decode timing: operand copies made once per shape, bf16 and every variant in the same run."""
+    from mxfp8_convert.runtime.triton_mxfp8 import triton_linear
+
+    rows = []
+    for name, n, k in shapes:
+        wbf = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        c_bf = n_copies(n * k * 2, 16 * n * 2)
+        wbfs = [wbf] + [wbf.clone() for _ in range(c_bf - 1)]
+        mx, ws = {}, {}
+        c_mx = n_copies(n * k + n * k // 32, 16 * n * 2)
+        for lay in layouts:
+            w, q, code = random_weight(n, k, lay)
+            mx[lay] = (w, q, code)
+            ws[lay] = [w] + [MXFP8Weight(w.data.clone(), w.scale.clone(), lay) for _ in range(c_mx - 1)]
+        wref = dequantize_mxfp8(q, code).double().t()
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            xs = [x.clone() for _ in range(max(c_bf, c_mx))]
+            ref = fake_quantize_mxfp8(x).double() @ wref
+            t_bf16 = time_graph(_linear_calls(xs, wbfs), c_bf)
+            for lay in layouts:
+                for vname, cfg in decode_variants(m, n, k, sweep).items():
+                    if lay != layouts[0] and vname not in ("rule", "old"):
+                        continue  # alternatives on the first layout only (the layouts differ in row indexing)
+                    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                    try:
+                        triton_linear(x, mx[lay][0], out=out, config=cfg)
+                        t = time_graph(_mx_calls(xs, ws[lay], cfg), c_mx)
+                    except Exception as e:  # noqa: BLE001 - a variant that fails is a result
+                        print(f"{name:32s} M={m:3d} {lay:8s} {vname:16s} FAILED {type(e).__name__}: {str(e)[:200]}",
+                              flush=True)
+                        continue
+                    unwritten = int(out.isnan().sum())
+                    err = float((out.double() - ref).norm() / ref.norm())
+                    wbytes = n * k * 1.03125
+                    rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": lay, "variant": vname,
+                                 "us": t * 1e3, "bf16_us": t_bf16 * 1e3, "ratio": t_bf16 / t, "rel_err": err,
+                                 "unwritten": unwritten, "weight_tbps": wbytes / t / 1e9,
+                                 "bf16_tbps": n * k * 2 / t_bf16 / 1e9, "config": cfg.to_dict()})
+                    r = rows[-1]
+                    print(f"{name:32s} M={m:3d} {lay:8s} {vname:16s} {r['us']:8.1f} us  bf16 {r['bf16_us']:8.1f} us  "
+                          f"x{r['ratio']:.2f}  {r['weight_tbps']:.2f} TB/s  err {err:.1e}"
+                          + (f"  UNWRITTEN {unwritten}" if unwritten else ""), flush=True)
+            del xs, x
+        del wbf, wbfs, mx, ws, wref
+        torch.cuda.empty_cache()
+    return rows
+
+
+def decode_summary(rows: list[dict]) -> None:
+    """Best variant per (shape, M) and the rule's ratio; last lines of the output."""
+    from collections import defaultdict
+
+    groups = defaultdict(list)
+    for r in rows:
+        groups[(r["shape"], r["m"])].append(r)
+    print("\nshape                            M  | rule trtllm / cutlass | best variant (trtllm)")
+    worst = {}
+    for (shape, m), rs in groups.items():
+        rule = {r["layout"]: r["ratio"] for r in rs if r["variant"] == "rule"}
+        tr = [r for r in rs if r["layout"] == "trtllm"]
+        best = max(tr, key=lambda r: r["ratio"]) if tr else None
+        worst[m] = min(worst.get(m, 9.9), *rule.values()) if rule else worst.get(m, 9.9)
+        print(f"{shape:32s} {m:3d} | " + " / ".join(f"x{rule[lay]:.2f}" for lay in rule)
+              + (f" | {best['variant']} x{best['ratio']:.2f} ({best['us']:.1f} us)" if best else ""))
+    errs = [r["rel_err"] for r in rows]
+    print(f"rel err: max {max(errs):.2e}; unwritten total {sum(r['unwritten'] for r in rows)}; "
+          f"worst rule ratio per M: {worst}")
+
+
 def load_bench(root: Path, layers: int = 8) -> dict:
     """Load a converted checkpoint onto the GPU vs load a canonical one and lay it out on the GPU."""
     from mxfp8_convert.backends import BACKENDS
@@ -300,7 +405,8 @@ def load_bench(root: Path, layers: int = 8) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["gemm", "tune", "load"])
+    p.add_argument("mode", choices=["gemm", "tune", "load", "decode"])
+    p.add_argument("--sweep", action="store_true", help="decode: time alternative configs too")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--ms", default=",".join(map(str, MS)))
     args = p.parse_args()
@@ -312,6 +418,12 @@ def main() -> None:
         result["bf16_peak_tflops_8192"] = peak_bf16()
         print(f"bf16 8192^3: {result['bf16_peak_tflops_8192']:.1f} TF/s", flush=True)
         result["rows"] = gemm_rows(MODEL_SHAPES, [int(m) for m in args.ms.split(",")])
+    elif args.mode == "decode":
+        ms = [int(m) for m in args.ms.split(",")] if args.ms != ",".join(map(str, MS)) else list(DECODE_MS)
+        layouts = ("trtllm", "cutlass")
+        result["rows"] = decode_rows(MODEL_SHAPES, ms, layouts, args.sweep)
+        (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
+        decode_summary(result["rows"])
     elif args.mode == "tune":
         result["rows"] = tune(MODEL_SHAPES, [int(m) for m in args.ms.split(",")])
     else:

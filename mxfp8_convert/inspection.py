@@ -12,7 +12,17 @@ from pathlib import Path
 from mxfp8_convert.backends import BACKENDS, KERNEL_BACKENDS
 from mxfp8_convert.errors import ConvertError
 from mxfp8_convert.formats import detect, get_format
-from mxfp8_convert.plan import COMPLETE_MARKER, build_plan, find_modules
+from mxfp8_convert.layouts.moe import moe_shape_violations
+from mxfp8_convert.plan import (
+    COMPLETE_MARKER,
+    EXPERT_ROLES,
+    MOE_BACKENDS,
+    build_plan,
+    expert_key,
+    find_modules,
+    fused_moe_blocks,
+    fused_moe_shape,
+)
 from mxfp8_convert.read import open_checkpoint, resolve_model
 
 
@@ -30,6 +40,23 @@ class ModuleReport:
 
 
 @dataclass(slots=True)
+class MoEReport:
+    """One MoE block: its experts, their sizes, and whether the fused MoE kernel takes them."""
+
+    name: str  # e.g. "model.layers.3.mlp.experts"
+    experts: int
+    hidden: int | None
+    intermediate: int | None
+    stored: str  # "per-expert" or "fused (trtllm)"
+    why_not: list[str]  # empty: the trtllm fused MoE kernel can take this block
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "experts": self.experts, "hidden": self.hidden,
+                "intermediate": self.intermediate, "stored": self.stored,
+                "fused_moe": {"ok": not self.why_not, "why_not": self.why_not, "backends": list(MOE_BACKENDS)}}
+
+
+@dataclass(slots=True)
 class InspectReport:
     path: str
     format: str
@@ -41,11 +68,13 @@ class InspectReport:
     count_by_role: dict[str, int] = field(default_factory=dict)
     modules: list[ModuleReport] = field(default_factory=list)
     actions: dict[str, str] = field(default_factory=dict)  # backend -> modules_by_action or error
+    moe: list[MoEReport] = field(default_factory=list)
 
     def to_dict(self) -> dict:
         return {"path": self.path, "format": self.format, "kind": self.kind, "backend": self.backend,
                 "complete": self.complete, "shards": self.shards, "bytes_by_role": self.bytes_by_role,
                 "count_by_role": self.count_by_role, "conversion": self.actions,
+                "moe_layers": [m.to_dict() for m in self.moe],
                 "modules": [m.to_dict() for m in self.modules]}
 
 
@@ -69,6 +98,7 @@ def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, re
         stored = report.backend if laid_out and s is not None and s.name.endswith("swizzled") else "canonical"
         report.modules.append(ModuleReport(module, list(w.shape), w.dtype, stored,
                                            {b: _why_not(BACKENDS[b], w, n, k) for b in KERNEL_BACKENDS}))
+    report.moe = _per_expert_blocks(report.modules) + _fused_blocks(ckpt, roles)
     for name, info in ckpt.tensors.items():
         role = roles.get(name, "other")
         report.bytes_by_role[role] = report.bytes_by_role.get(role, 0) + info.nbytes
@@ -76,6 +106,41 @@ def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, re
     for b in (*KERNEL_BACKENDS, "canonical"):
         report.actions[b] = _conversion(ckpt, fmt, b)
     return report
+
+
+def _per_expert_blocks(modules: list[ModuleReport]) -> list[MoEReport]:
+    """MoE blocks stored per expert (``...experts.<e>.{gate,up,down}_proj`` or ``w1/w3/w2``)."""
+    blocks: dict[str, dict[tuple[int, str], ModuleReport]] = {}
+    for m in modules:
+        key = expert_key(m.name)
+        if key is not None:
+            blocks.setdefault(key[0], {})[key[1:]] = m
+    out = []
+    for block, by in sorted(blocks.items()):
+        count = 1 + max(e for e, _ in by)
+        missing = next(((e, r) for e in range(count) for r in EXPERT_ROLES if (e, r) not in by), None)
+        gate = by.get((0, "gate"))
+        i, h = gate.shape[:2] if gate is not None and len(gate.shape) == 2 else (None, None)
+        why = ([f"expert {missing[0]} has no {missing[1]} projection"] if missing else []) + (
+            moe_shape_violations(h, i) if h is not None else ["expert 0 has no 2-D gate projection"])
+        out.append(MoEReport(block, count, h, i, "per-expert", why))
+    return out
+
+
+def _fused_blocks(ckpt, roles: dict[str, str]) -> list[MoEReport]:
+    """Fused MoE blocks of a laid-out output (their tensors get the ``moe_*`` roles)."""
+    out = []
+    for block, tensors in fused_moe_blocks(ckpt).items():
+        try:
+            e, h, i = fused_moe_shape(block, tensors)
+            why = []
+        except ConvertError as err:
+            e, h, i, why = 0, None, None, [str(err)]
+        for role, t in tensors.items():
+            if t is not None:
+                roles[t.name] = role
+        out.append(MoEReport(block, e, h, i, "fused (trtllm)", why))
+    return out
 
 
 def _why_not(backend, w, n: int, k: int) -> list[str]:
@@ -91,4 +156,6 @@ def _conversion(ckpt, fmt, backend: str) -> str:
     except ConvertError as e:
         return f"not possible: {e}"
     counts = plan.to_dict()["modules_by_action"]
-    return ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "nothing to convert"
+    text = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "nothing to convert"
+    experts = sum(layer.experts for layer in plan.moe)
+    return text + (f" ({experts} experts fused into {len(plan.moe)} MoE blocks)" if plan.moe else "")

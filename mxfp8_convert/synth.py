@@ -3,7 +3,9 @@
 Llama/Qwen-style tensor names, configs with the exact keys of SPEC.md section 4, a bf16
 ``lm_head`` listed as ignored, tokenizer-like side files, and at least one module whose weight
 and scale sit in different shards. The bytes are random but valid: no NaN e4m3 codes, scale
-codes in a realistic range.
+codes in a realistic range. With ``experts > 0`` every layer's MLP is a Qwen3-MoE-style block
+(``mlp.experts.<e>.{gate,up,down}_proj`` or Mixtral's ``w1/w3/w2``, a bf16 router
+``mlp.gate``, optionally DeepSeek's ``mlp.shared_experts``), its experts spread over shards.
 """
 
 from __future__ import annotations
@@ -38,6 +40,12 @@ class SynthSpec:
     per_channel: bool = False
     #: more linears, e.g. DeepSeek MLA shapes: (module, N, K)
     extra_modules: tuple[tuple[str, int, int], ...] = ()
+    #: MoE: experts per layer (0: dense MLP), their intermediate size I, a shared expert
+    #: (``mlp.shared_experts``, intermediate ``intermediate``), Mixtral's w1/w3/w2 names
+    experts: int = 0
+    moe_intermediate: int = 256
+    shared_expert: bool = False
+    w123_names: bool = False
 
 
 def random_e4m3(shape, gen: torch.Generator) -> torch.Tensor:
@@ -72,11 +80,26 @@ def linear_names(spec: SynthSpec) -> list[tuple[str, int, int]]:
             (f"{p}.self_attn.k_proj", spec.kv_heads * hd, h),
             (f"{p}.self_attn.v_proj", spec.kv_heads * hd, h),
             (f"{p}.self_attn.o_proj", h, spec.heads * hd),
-            (f"{p}.mlp.gate_proj", i, h),
-            (f"{p}.mlp.up_proj", i, h),
-            (f"{p}.mlp.down_proj", h, i),
         ]
+        out += _mlp(f"{p}.mlp", h, i) if not spec.experts else _moe(spec, f"{p}.mlp")
     return out + list(spec.extra_modules)
+
+
+def expert_names(spec: SynthSpec) -> tuple[str, str, str]:
+    """(gate, up, down) projection names of one expert."""
+    return ("w1", "w3", "w2") if spec.w123_names else ("gate_proj", "up_proj", "down_proj")
+
+
+def _mlp(p: str, h: int, i: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> list:
+    gate, up, down = names
+    return [(f"{p}.{gate}", i, h), (f"{p}.{up}", i, h), (f"{p}.{down}", h, i)]
+
+
+def _moe(spec: SynthSpec, p: str) -> list[tuple[str, int, int]]:
+    out = _mlp(f"{p}.shared_experts", spec.hidden, spec.intermediate) if spec.shared_expert else []
+    for e in range(spec.experts):
+        out += _mlp(f"{p}.experts.{e}", spec.hidden, spec.moe_intermediate, expert_names(spec))
+    return out
 
 
 def scale_suffix(dialect: str) -> str | None:
@@ -122,12 +145,16 @@ def quantization_config(dialect: str) -> tuple[dict | None, dict | None]:
 
 def model_config(spec: SynthSpec) -> dict:
     q, _ = quantization_config(spec.dialect)
+    moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": spec.experts,
+           "num_experts_per_tok": min(2, spec.experts), "moe_intermediate_size": spec.moe_intermediate,
+           "shared_expert_intermediate_size": spec.intermediate if spec.shared_expert else 0}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": spec.hidden, "intermediate_size": spec.intermediate,
         "num_hidden_layers": spec.layers, "num_attention_heads": spec.heads,
         "num_key_value_heads": spec.kv_heads, "vocab_size": spec.vocab,
         "rms_norm_eps": 1e-5, "torch_dtype": "bfloat16", "tie_word_embeddings": False,
+        **(moe if spec.experts else {}),
         **({"quantization_config": q} if q else {}),
     }
 
@@ -141,6 +168,9 @@ def make_tensors(spec: SynthSpec) -> dict[str, torch.Tensor]:
     for layer in range(spec.layers):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             t[f"model.layers.{layer}.{norm}.weight"] = torch.ones(spec.hidden, dtype=torch.bfloat16)
+        if spec.experts:  # the router: bf16, passed through
+            t[f"model.layers.{layer}.mlp.gate.weight"] = (
+                torch.randn(spec.experts, spec.hidden, generator=gen) * 0.02).to(torch.bfloat16)
     for module, n, k in linear_names(spec):
         if spec.dialect == "dense":
             t[f"{module}.weight"] = (torch.randn(n, k, generator=gen) * 0.02).to(torch.bfloat16)
@@ -164,11 +194,22 @@ def make_tensors(spec: SynthSpec) -> dict[str, torch.Tensor]:
 
 
 def shard_of(name: str, spec: SynthSpec) -> int:
-    """Layers are spread over shards; layer 0's o_proj scale is put in the last shard on purpose."""
+    """Layers are spread over shards; layer 0's o_proj scale is put in the last shard on purpose.
+
+    Experts are spread over shards by (layer, expert), so one layer's experts span shards, and
+    layer 0's expert 1 has its up_proj and its down_proj scale in the last shard, away from its
+    gate_proj.
+    """
     if spec.shards == 1:
         return 0
     if name.startswith("model.layers.0.self_attn.o_proj.weight_scale"):
         return spec.shards - 1
+    _, up, down = expert_names(spec)
+    if name.startswith((f"model.layers.0.mlp.experts.1.{up}.", f"model.layers.0.mlp.experts.1.{down}.weight_")):
+        return spec.shards - 1
+    if ".mlp.experts." in name:
+        layer, expert = int(name.split(".")[2]), int(name.split(".")[5])
+        return (layer * spec.experts + expert) * spec.shards // (spec.layers * spec.experts)
     if name.startswith("model.layers."):
         layer = int(name.split(".")[2])
         return min(layer * spec.shards // max(spec.layers, 1), spec.shards - 1)

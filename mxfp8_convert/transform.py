@@ -11,6 +11,16 @@ import torch
 
 from mxfp8_convert.backends import BackendSpec
 from mxfp8_convert.errors import LayoutError
+from mxfp8_convert.layouts.moe import (
+    moe_fc1_scale_from_canonical,
+    moe_fc1_scale_to_canonical,
+    moe_fc1_weight_from_canonical,
+    moe_fc1_weight_to_canonical,
+    moe_fc2_scale_from_canonical,
+    moe_fc2_scale_to_canonical,
+    moe_fc2_weight_from_canonical,
+    moe_fc2_weight_to_canonical,
+)
 from mxfp8_convert.layouts.rows import P32_BLOCK
 from mxfp8_convert.plan import ModulePlan, TensorPlan
 from mxfp8_convert.quantize import (
@@ -72,6 +82,8 @@ def canonical_module(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor | 
         LayoutError: NaN/Inf in the source, a scale byte of 255, bad shapes (naming the tensor).
     """
     name = m.weight.name
+    if m.fused is not None:
+        return (*expert_from_fused(m, weight, scale), None)
     if m.source_kind == "dense":
         ref = weight.reshape(m.n, m.k)
         q, s = quantize_mxfp8(ref, name=name)
@@ -89,6 +101,55 @@ def canonical_module(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor | 
         s = src_backend.scale_inverse(s, m.n, m.k // 32)
     check_scale_codes(s.reshape(m.n, m.k // 32), m.scale.name)
     return w, s.reshape(m.n, m.k // 32), None
+
+
+#: fused MoE tensor role -> (expert projections it is made of, in argument order; layout function)
+MOE_FUSE = {
+    "moe_fc1_weight": (("up", "gate"), moe_fc1_weight_from_canonical),
+    "moe_fc1_scale": (("up", "gate"), moe_fc1_scale_from_canonical),
+    "moe_fc2_weight": (("down",), moe_fc2_weight_from_canonical),
+    "moe_fc2_scale": (("down",), moe_fc2_scale_from_canonical),
+}
+
+
+def fuse_expert(role: str, parts: list[torch.Tensor]) -> torch.Tensor:
+    """One expert's bytes of the fused MoE tensor ``role`` (a key of ``MOE_FUSE``), flat uint8.
+
+    Args:
+        role: ``moe_fc1_weight`` / ``moe_fc2_weight`` (``parts`` are canonical uint8 ``[I, H]``
+            up and gate, or ``[H, I]`` down) or ``moe_fc1_scale`` / ``moe_fc2_scale`` (their
+            canonical ``[rows, K/32]`` scales).
+        parts: the canonical tensors, in the order ``MOE_FUSE[role]`` names them.
+
+    Returns:
+        uint8 ``[2I*H]``, ``[H*I]`` or the flat 128x4 tiles: expert ``e``'s slice of the stacked tensor.
+    """
+    _, lay_out = MOE_FUSE[role]
+    return lay_out(*(p.view(torch.uint8) for p in parts)).view(torch.uint8).reshape(-1)
+
+
+def expert_from_fused(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """One expert projection's canonical MXFP8, cut out of its expert's fused MoE bytes.
+
+    Args:
+        m: a module with ``m.fused`` set (which projection of which expert, H and I).
+        weight: that expert's fused weight, ``[2I, H]`` (gate, up) or ``[H, I]`` (down), 1-byte.
+        scale: that expert's fused scale tiles (uint8 ``[2I/128, H/128, 512]`` or ``[H/128, I/128, 512]``).
+
+    Returns:
+        ``(uint8 [N, K], uint8 [N, K/32])``, contiguous.
+    """
+    f = m.fused
+    w, s = weight.view(torch.uint8), scale.view(torch.uint8)
+    if f.proj == "down":
+        w = moe_fc2_weight_to_canonical(w.reshape(f.hidden, f.intermediate))
+        s = moe_fc2_scale_to_canonical(s, f.hidden, f.intermediate)
+    else:
+        half = 0 if f.proj == "up" else 1  # FC1 is cat([up, gate])
+        w = moe_fc1_weight_to_canonical(w.reshape(2 * f.intermediate, f.hidden))[half]
+        s = moe_fc1_scale_to_canonical(s, f.hidden, f.intermediate)[half]
+    check_scale_codes(s, f"{m.scale.name} (expert {f.expert} {f.proj})")
+    return w, s
 
 
 def check_scale_codes(s: torch.Tensor, name: str) -> None:

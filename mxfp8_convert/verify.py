@@ -5,8 +5,10 @@ layout marker in config.json and in every shard; every tensor's dtype and shape 
 record. With ``source``: every module's layouts are inverted (the inverse functions, not the
 forward ones the converter used) and compared with the source's canonical MXFP8 bytes:
 identical for lossless conversions, identical to a fresh FlashInfer-recipe quantization for
-requantized ones, whose recorded error is recomputed too. Pass-through tensors must be
-byte-identical. One module is in memory at a time.
+requantized ones, whose recorded error is recomputed too. Fused MoE tensors are cut per
+expert and inverted with ``layouts/moe.py``'s inverse functions, each expert's projections
+compared the same way. Pass-through tensors must be byte-identical. One module (one expert)
+is in memory at a time.
 """
 
 from __future__ import annotations
@@ -22,7 +24,22 @@ import xxhash
 from mxfp8_convert.backends import BACKENDS, FORMAT_VERSION
 from mxfp8_convert.errors import ConvertError, VerifyError
 from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD, detect
-from mxfp8_convert.plan import CANONICAL_SUFFIX, COMPLETE_MARKER, SWIZZLED_SUFFIX, build_plan
+from mxfp8_convert.layouts.moe import (
+    moe_fc1_scale_to_canonical,
+    moe_fc1_weight_to_canonical,
+    moe_fc2_scale_to_canonical,
+    moe_fc2_weight_to_canonical,
+)
+from mxfp8_convert.plan import (
+    CANONICAL_SUFFIX,
+    COMPLETE_MARKER,
+    MOE_LAYOUT,
+    MOE_TENSORS,
+    SWIZZLED_SUFFIX,
+    MoELayerPlan,
+    build_plan,
+    expert_slice,
+)
 from mxfp8_convert.quantize import quantization_error
 from mxfp8_convert.read import SourceCheckpoint, open_checkpoint, read_tensor, resolve_model
 from mxfp8_convert.transform import canonical_module
@@ -178,13 +195,14 @@ def _check_tensors(ckpt: SourceCheckpoint, marker: dict, records: dict[str, dict
     for name, info in sorted(ckpt.tensors.items()):
         rec = records.get(name)
         if rec is None:
-            if name.endswith((f".{SWIZZLED_SUFFIX}", f".{CANONICAL_SUFFIX}")) or (
+            if name.endswith((f".{SWIZZLED_SUFFIX}", f".{CANONICAL_SUFFIX}", *_MOE_SUFFIXES)) or (
                 info.dtype == "F8_E4M3" and name.endswith(".weight")
             ):
                 report.mismatches.append(Mismatch(name, "quantized tensor without a layout record"))
             continue
         report.tensors_checked += 1
-        what = _tensor_problem(info, rec, backend, records)
+        what = _moe_problem(info, rec, marker, records) if rec.get("role") in MOE_TENSORS else \
+            _tensor_problem(info, rec, backend, records)
         if what:
             report.mismatches.append(Mismatch(name, what))
 
@@ -212,10 +230,40 @@ def _tensor_problem(info, rec: dict, backend, records: dict[str, dict]) -> str |
     return None
 
 
+_MOE_SUFFIXES = tuple(f".{suffix}" for suffix, _, _ in MOE_TENSORS.values())
+
+
+def _moe_problem(info, rec: dict, marker: dict, records: dict[str, dict]) -> str | None:
+    """What is wrong with a fused MoE tensor, judged by its record and the marker (or None)."""
+    role = rec["role"]
+    suffix, dtype, shape_of = MOE_TENSORS[role]
+    if rec.get("layout") != MOE_LAYOUT or not marker.get("moe"):
+        return f"layout {rec.get('layout')!r}: fused MoE tensors need layout {MOE_LAYOUT!r} and the marker's moe entry"
+    e, h, i = rec.get("experts"), rec.get("hidden"), rec.get("intermediate")
+    try:
+        want = list(shape_of(h, i, e))
+    except (ConvertError, TypeError):
+        return f"record says E={e}, H={h}, I={i}, which the fused MoE kernel cannot take"
+    if info.dtype != dtype or list(info.shape) != want:
+        return f"{info.dtype} {list(info.shape)}, but {role} of E={e}, H={h}, I={i} is {dtype} {want}"
+    if rec.get("shape", rec.get("tile_shape")) != want:
+        return f"record's shape {rec.get('shape', rec.get('tile_shape'))} is not {want}"
+    block = info.name[: -len(suffix) - 1]
+    partners = [f"{block}.{other}" for other, _, _ in MOE_TENSORS.values()]
+    missing = [p for p in partners if p not in records]
+    if missing:
+        return f"no {missing[0]!r} recorded beside it"
+    if any((records[p].get("experts"), records[p].get("hidden"), records[p].get("intermediate")) != (e, h, i)
+           for p in partners):
+        return "the four fused tensors of this block record different E, H, I"
+    return None
+
+
 def _compare_with_source(ckpt, src: SourceCheckpoint, marker, records, done, report: VerifyReport) -> None:
     backend = BACKENDS[report.backend]
     fmt = detect(src.config, src.hf_quant_config, set(src.tensors))
-    plan = build_plan(src, backend, fmt, on_ineligible="keep")
+    # an output without fused MoE tensors was made with --moe keep, or had nothing to fuse
+    plan = build_plan(src, backend, fmt, on_ineligible="keep", moe="fuse" if marker.get("moe") else "keep")
     if done.get("source_fingerprint") != plan.fingerprint:
         report.mismatches.append(Mismatch("source", "fingerprint differs from the one recorded at conversion"))
     errors = done.get("quantization_errors") or {}
@@ -227,6 +275,10 @@ def _compare_with_source(ckpt, src: SourceCheckpoint, marker, records, done, rep
         covered.update(names[:2])
         report.modules_compared += 1
         report.mismatches.extend(_compare_module(m, ckpt, src, backend, names, errors.get(m.name)))
+    for layer in plan.moe:
+        covered.update(layer.tensor_name(role) for role in MOE_TENSORS)
+        report.modules_compared += len(layer.modules)
+        report.mismatches.extend(_compare_moe_layer(layer, ckpt, src, errors))
     for name, info in sorted(ckpt.tensors.items()):
         if name in covered:
             continue
@@ -254,6 +306,12 @@ def _compare_module(m, ckpt, src, backend, names, recorded) -> list[Mismatch]:
     c = m.k // 32
     if layout == "laid_out":
         w_out, s_out = backend.weight_inverse(w_out), backend.scale_inverse(s_out, m.n, c)
+    return _compare_canonical(m, w_out, s_out, src, recorded)
+
+
+def _compare_canonical(m, w_out, s_out, src, recorded, expert: int | None = None) -> list[Mismatch]:
+    """Compare an output module's canonical bytes with the source's (first differing
+    ``[row, col]``, or ``[expert, row, col]`` for an expert of a fused MoE tensor)."""
     scale = read_tensor(src.root, m.scale) if m.scale is not None else None
     src_backend = BACKENDS[m.source_backend] if m.source_backend else None
     try:
@@ -261,13 +319,44 @@ def _compare_module(m, ckpt, src, backend, names, recorded) -> list[Mismatch]:
     except ConvertError as e:
         return [Mismatch(m.name, f"source cannot be converted: {e}")]
     out = []
+    axes, lead = ("row, col", []) if expert is None else ("expert, row, col", [expert])
     for what, got, want in (("weight", w_out, q), ("scale", s_out, s)):
         pos = first_difference(got.reshape(want.shape) if got.numel() == want.numel() else got, want)
         if pos is not None:
-            out.append(Mismatch(f"{m.name}.{what}", "differs from the source's canonical MXFP8 (row, col)", pos))
+            out.append(Mismatch(f"{m.name}.{what}", f"differs from the source's canonical MXFP8 ({axes})",
+                                lead + pos))
     if err is not None:
         out.extend(_check_error(m, w_out, s_out, src, recorded, err))
     return out
+
+
+def _compare_moe_layer(layer: MoELayerPlan, ckpt, src, errors: dict) -> list[Mismatch]:
+    """Invert each expert's slice of the fused tensors and compare its three projections."""
+    names = {role: layer.tensor_name(role) for role in MOE_TENSORS}
+    missing = [n for n in names.values() if n not in ckpt.tensors]
+    if missing:
+        return [Mismatch(missing[0], "fused MoE tensor missing from the output")]
+    out = []
+    for e in range(layer.experts):
+        got = _expert_canonical(ckpt, names, layer, e)
+        for role, (w, s) in got.items():
+            m = layer.module(role, e)
+            out.extend(_compare_canonical(m, w, s, src, errors.get(m.name), expert=e))
+    return out
+
+
+def _expert_canonical(ckpt, names: dict[str, str], layer: MoELayerPlan, e: int) -> dict:
+    """role -> canonical (weight, scale) of expert ``e``, read from the output's fused tensors."""
+    h, i = layer.hidden, layer.intermediate
+
+    def read(role: str) -> torch.Tensor:
+        return read_tensor(ckpt.root, expert_slice(ckpt.tensors[names[role]], e)).view(torch.uint8)
+
+    up, gate = moe_fc1_weight_to_canonical(read("moe_fc1_weight"))
+    up_s, gate_s = moe_fc1_scale_to_canonical(read("moe_fc1_scale"), h, i)
+    down = moe_fc2_weight_to_canonical(read("moe_fc2_weight"))
+    down_s = moe_fc2_scale_to_canonical(read("moe_fc2_scale"), h, i)
+    return {"gate": (gate, gate_s), "up": (up, up_s), "down": (down, down_s)}
 
 
 def _check_error(m, q, s, src, recorded, err) -> list[Mismatch]:

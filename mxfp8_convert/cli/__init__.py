@@ -26,6 +26,8 @@ Examples:
 
   mxfp8-convert ./model --backend trtllm --on-ineligible keep
 
+  mxfp8-convert ./Qwen3-30B-A3B-MXFP8 --backend trtllm --moe keep
+
   mxfp8-convert verify ./Llama-3-8B-MXFP8-trtllm --source ./Llama-3-8B-MXFP8
 
   mxfp8-convert inspect deepseek-ai/DeepSeek-V3 --json
@@ -90,6 +92,7 @@ def convert_cmd(
     part: Annotated[int | None, typer.Option("--part", help="With --num-parts: the part this task converts, 0..N-1 (e.g. $SLURM_ARRAY_TASK_ID).")] = None,
     workers: Annotated[int, typer.Option("--workers", help="Shards converted in parallel on this machine.")] = 1,
     max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory budget for the workers, e.g. 8GiB (fewer workers run if needed).")] = None,
+    moe: Annotated[str, typer.Option("--moe", help="Per-expert MoE weights (experts.<e>.{gate,up,down}_proj, w1/w3/w2). fuse: for trtllm, into the fused MoE kernel's [E, 2I, H] and [E, H, I] tensors (other backends: linears like any other); keep: leave them per-expert canonical MXFP8.")] = "fuse",
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -102,6 +105,8 @@ def convert_cmd(
         raise typer.BadParameter(f"{backend!r} is not one of: {', '.join(BACKENDS)}", param_hint="--backend")
     if on_ineligible not in ("error", "keep"):
         raise typer.BadParameter(f"{on_ineligible!r} is not one of: error, keep", param_hint="--on-ineligible")
+    if moe not in ("fuse", "keep"):
+        raise typer.BadParameter(f"{moe!r} is not one of: fuse, keep", param_hint="--moe")
     if (num_parts is None) != (part is None):
         raise typer.BadParameter("--num-parts and --part go together", param_hint="--part")
     if num_parts is not None and (num_parts < 1 or not 0 <= part < num_parts):
@@ -120,7 +125,7 @@ def convert_cmd(
                          source_format=source_format, on_ineligible=on_ineligible, ignore=ignore,
                          revision=revision, fresh=fresh, hub_repo_id=push_to_hub, progress=on_progress,
                          part=(part, num_parts) if num_parts is not None else None, workers=workers,
-                         max_memory=budget)
+                         max_memory=budget, moe=moe)
     doc = result.to_dict()
     if push_to_hub is not None:
         with handle_errors(out, debug=debug):
@@ -188,6 +193,10 @@ def _render_convert(console, result, push: dict | None = None) -> None:
             for m in plan.modules]
     if result.dry_run:
         console.print(table(f"Plan: {plan.format} -> {plan.backend}", ["module", "N x K", "action", "layout"], rows))
+        if plan.moe:
+            console.print(table("Fused MoE blocks", ["block", "experts", "H", "I", "action", "shard"],
+                                [[m.name, m.experts, m.hidden, m.intermediate, m.gate[0].action, m.shard]
+                                 for m in plan.moe]))
         console.print(table("Shards", ["file", "tensors", "bytes"],
                             [[s.name, len(s.tensors), human_bytes(s.nbytes)] for s in plan.shards]))
         console.print(f"Dry run: nothing written. Output would be {result.output}")
@@ -203,8 +212,12 @@ def _render_convert(console, result, push: dict | None = None) -> None:
         ["written", human_bytes(result.bytes_written)],
         ["time", f"{result.seconds:.2f} s"],
     ]
+    if plan.moe:
+        sizes = sorted({(m.experts, m.hidden, m.intermediate) for m in plan.moe})
+        summary.append(["fused MoE", f"{len(plan.moe)} blocks ("
+                        + "; ".join(f"E={e}, H={h}, I={i}" for e, h, i in sizes) + ")"])
     if plan.kept:
-        summary.append(["kept canonical", ", ".join(plan.kept)])
+        summary.append(["kept canonical", _kept_summary(plan.kept)])
     if result.quantization_errors:
         worst = min(result.quantization_errors.items(), key=lambda kv: kv[1]["sqnr_db"])
         summary.append(["requantized", f"{len(result.quantization_errors)} modules; worst SQNR "
@@ -212,6 +225,21 @@ def _render_convert(console, result, push: dict | None = None) -> None:
     if push:
         summary.append(["pushed", f"{push['repo_id']} ({push['commit_url']})"])
     console.print(table("Converted", ["", ""], summary))
+
+
+def _kept_summary(kept: tuple[str, ...]) -> str:
+    """Kept modules by name, experts counted per MoE block (a model has thousands)."""
+    from mxfp8_convert.plan import expert_key
+
+    blocks: dict[str, int] = {}
+    names = []
+    for name in kept:
+        key = expert_key(name)
+        if key is None:
+            names.append(name)
+        else:
+            blocks[key[0]] = blocks.get(key[0], 0) + 1
+    return ", ".join(names + [f"{b} ({n} expert projections)" for b, n in blocks.items()])
 
 
 @app.command("verify")
@@ -277,9 +305,17 @@ def _render_inspect(console, report) -> None:
     for backend, what in report.actions.items():
         head.append([f"-> {backend}", what])
     console.print(table("Checkpoint", ["", ""], head))
+    from mxfp8_convert.plan import expert_key
+
+    if report.moe:
+        console.print(table("MoE blocks", ["block", "experts", "H", "I", "stored as", "fused MoE (trtllm)"],
+                            [[m.name, m.experts, m.hidden, m.intermediate, m.stored,
+                              "ok" if not m.why_not else "; ".join(m.why_not)] for m in report.moe]))
+    blocks = {m.name for m in report.moe}
+    modules = [m for m in report.modules if (expert_key(m.name) or ("",))[0] not in blocks]  # shown above
     backends = sorted({b for m in report.modules for b in m.backends})
     rows = [[m.name, "x".join(map(str, m.shape)), m.weight_dtype, m.layout,
-             *["ok" if not m.backends[b] else "; ".join(m.backends[b]) for b in backends]] for m in report.modules]
+             *["ok" if not m.backends[b] else "; ".join(m.backends[b]) for b in backends]] for m in modules]
     console.print(table("Linear modules", ["module", "shape", "dtype", "stored as", *backends], rows))
 
 

@@ -17,6 +17,7 @@ from mxfp8_convert.runtime.load import (
     read_marker,
 )
 from mxfp8_convert.runtime.model import LoadReport, load_into
+from mxfp8_convert.runtime.moe import MXFP8MoEWeights, mxfp8_fused_moe
 from mxfp8_convert.runtime.reference import dequantize_mxfp8, quantize_mxfp8, reference_linear
 from mxfp8_convert.runtime.select import ENGINES, auto_engine, check_engine
 from mxfp8_convert.runtime.weight import CANONICAL, MXFP8Weight
@@ -28,12 +29,14 @@ __all__ = [
     "LoadReport",
     "MXFP8Checkpoint",
     "MXFP8Linear",
+    "MXFP8MoEWeights",
     "MXFP8Weight",
     "auto_engine",
     "check_engine",
     "dequantize_mxfp8",
     "load_checkpoint",
     "load_into",
+    "mxfp8_fused_moe",
     "mxfp8_linear",
     "quantize_mxfp8",
     "read_marker",

@@ -18,6 +18,10 @@ the MMA's register operand and never goes through shared memory as bf16):
 - split-K partials (small M: a weight stream needs many CTAs) are summed by a second kernel,
   or, for small weights, by the last CTA of each tile to arrive (an atomic arrival counter).
 
+Decode (:func:`use_decode`, M <= 4 on large-N weights) runs ``_mxfp8_decode_kernel`` instead: e4m3
+weight and activation bytes go to FP8 tensor-core MMAs untouched, one MMA per 32-block, and the
+two power-of-two scales multiply the fp32 partial products (benchmarks/NOTES_gemm.md, decode).
+
 Rounding to e4m3 is done in fp32 arithmetic (the magic-number trick), not by a float8 cast: it is
 bit-exact RNE on every device and in Triton's interpreter, whose float8/bf16 casts truncate.
 In the interpreter (``TRITON_INTERPRET=1``, CPU tensors) the dot runs on float32 copies of the
@@ -127,7 +131,7 @@ def _quantize_kernel(
         tl.store(q_ptr + rows * K + offs_k[None, :], q, mask=mask)
         offs_c = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
         cmask = (offs_m < M)[:, None] & (offs_c < K // 32)[None, :]
-        tl.store(code_ptr + rows * (K // 32) + offs_c[None, :], code.to(tl.uint8), mask=cmask)
+        tl.store(code_ptr + rows * (K // 32) + offs_c[None, :], code.to(code_ptr.dtype.element_ty), mask=cmask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -279,6 +283,161 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, out_ptr, N, total, stride_ps, split_k,
 
 
 # --------------------------------------------------------------------------------------------
+# Decode (M <= 16): a weight stream with one FP8 tensor-core dot per 32-block
+# --------------------------------------------------------------------------------------------
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _mxfp8_decode_kernel(
+    x_ptr, xq_ptr, xc_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_os, scale_c, scale_cp4, split_k,
+    LAYOUT: tl.constexpr, FUSE_QUANT: tl.constexpr, FP8_DOT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr, SERIAL: tl.constexpr, SCALE_TILE: tl.constexpr,
+):
+    """out[M, N] (or split-K fp32 partials) for small M, reading the e4m3 weight bytes as they are.
+
+    Program (pid_n, pid_k) owns BLOCK_N weight rows and a K range. Per 32-block ``b`` of K:
+    ``part = W[rows, b] @ Xq[b, :]^T`` on e4m3 operands (an exact sum of exact products,
+    accumulated in fp32), then ``acc += part * 2^(cw-127) * 2^(cx-127)``: the weight bytes go from
+    global to shared memory to the tensor core untouched (no conversion, no register copy);
+    the only per-element work is on the small [BLOCK_N, BLOCK_M] accumulator. ``Xq`` is the
+    MXFP8 activation (codes ``cx``), quantized in the kernel (FUSE_QUANT) or by
+    :func:`quantize_activations`. Rows of the tile past M repeat row M-1 and are never stored.
+    """
+    pid_n = tl.program_id(0)
+    pid_k = tl.program_id(1)
+    k_tiles = K // BLOCK_K
+    per_split = tl.cdiv(k_tiles, split_k)
+    kt0 = pid_k * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+    NB: tl.constexpr = BLOCK_K // 32
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # clamp the tail: loads stay in bounds, stores are masked
+    rows_n = rows
+    if LAYOUT == 1:  # trtllm: logical row l lives at physical row 32*(l//32) + 8*(l%4) + (l%32)//4
+        rows = (rows // 32) * 32 + 8 * (rows % 4) + (rows % 32) // 4
+    offs_m = tl.arange(0, BLOCK_M)
+    cols = tl.minimum(offs_m, M - 1).to(tl.int64)
+    offs_b = tl.arange(0, 32)
+    w_base = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_b[None, :]  # [BN, 32]
+    s_base = s_ptr + _scale_row_base(rows, scale_c, scale_cp4, LAYOUT)  # [BN]
+    if FUSE_QUANT:
+        x_base = x_ptr + cols[None, :] * stride_xm + offs_b[:, None]  # X^T block [32, BM]
+    else:
+        x_base = xq_ptr + cols[None, :] * K + offs_b[:, None]
+        xc_base = xc_ptr + cols * (K // 32)
+    acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+
+    if SCALE_TILE:
+        # 128x4 words of the whole K-tile ([BN, NB/4]) and the activation codes ([BM, NB]) in one
+        # load each: tensors of >= 32*num_warps elements, which Triton stages through shared
+        # memory once instead of re-loading them from global memory in each consumer's layout.
+        NW: tl.constexpr = NB // 4
+        offs_w = tl.arange(0, NW)
+        offs_nb = tl.arange(0, NB)
+        for kt in range(kt0, kt1):
+            words = tl.load(s_base[:, None] + ((kt * NW + offs_w) * 128)[None, :])
+            if not FUSE_QUANT:
+                xcs = tl.load(xc_base[:, None] + (kt * NB + offs_nb)[None, :])
+            if SCALE_TILE == 2:  # BLOCK_K = 256: columns by splits, no reductions
+                word_lo, word_hi = tl.split(words)
+                if not FUSE_QUANT:
+                    xe, xo = tl.split(tl.reshape(xcs, (BLOCK_M, 4, 2)))  # columns 0,2,4,6 / 1,3,5,7
+                    xe0, xe1 = tl.split(tl.reshape(xe, (BLOCK_M, 2, 2)))  # 0,4 / 2,6
+                    xo0, xo1 = tl.split(tl.reshape(xo, (BLOCK_M, 2, 2)))  # 1,5 / 3,7
+                    xc0, xc4 = tl.split(xe0)
+                    xc2, xc6 = tl.split(xe1)
+                    xc1, xc5 = tl.split(xo0)
+                    xc3, xc7 = tl.split(xo1)
+            for c in tl.static_range(NB):
+                kb = kt * NB + c
+                if SCALE_TILE == 2:
+                    word = word_lo if c < 4 else word_hi
+                else:
+                    word = tl.sum(tl.where(offs_w[None, :] == c // 4, words, 0), axis=1)
+                cw = (word >> (8 * (c % 4))) & 0xFF
+                # (cw >> 8) is 0: the dependency only makes Triton's pipeliner stage the scale
+                # load (it pipelines loads feeding a dot's operands, directly or via an address).
+                w = tl.load(w_base + kb * 32 + ((cw >> 8) * 16)[:, None])
+                if FUSE_QUANT:
+                    xf = tl.load(x_base + kb * 32).to(tl.float32)
+                    cx = _ue8m0_code(tl.max(tl.abs(xf), axis=0))  # [BM]
+                    xr = _round_e4m3(xf * _pow2_f32(254 - cx)[None, :])  # exact e4m3 values, fp32
+                else:
+                    if SCALE_TILE == 2:
+                        if c == 0:
+                            cx = xc0
+                        elif c == 1:
+                            cx = xc1
+                        elif c == 2:
+                            cx = xc2
+                        elif c == 3:
+                            cx = xc3
+                        elif c == 4:
+                            cx = xc4
+                        elif c == 5:
+                            cx = xc5
+                        elif c == 6:
+                            cx = xc6
+                        else:
+                            cx = xc7
+                    else:
+                        cx = tl.sum(tl.where(offs_nb[None, :] == c, xcs, 0), axis=1)
+                    xr = tl.load(x_base + kb * 32 + ((cx >> 8) * 16)[None, :])
+                if FP8_DOT:
+                    part = tl.dot(w, xr.to(tl.float8e4nv))
+                else:  # interpreter: the same exact values as float32
+                    part = tl.dot(w.to(tl.float32), xr.to(tl.float32), input_precision="ieee")
+                acc += (part * _pow2_f32(cw)[:, None]) * _pow2_f32(cx)[None, :]
+    else:  # canonical scales, or BLOCK_K < 128: one load per 32-block
+        for kt in range(kt0, kt1):
+            for c in tl.static_range(NB):
+                kb = kt * NB + c  # 32-block index along K
+                if LAYOUT == 2:
+                    cw = tl.load(s_base + kb).to(tl.int32)
+                else:  # the int32 word holding scale columns 4j..4j+3 of each row
+                    if c % 4 == 0:
+                        word = tl.load(s_base + (kb // 4) * 128)
+                    cw = (word >> (8 * (kb % 4))) & 0xFF
+                # (cw >> 8) is 0: the dependency only makes Triton's pipeliner stage the scale load
+                # (it pipelines loads feeding a dot's operands, directly or through an address).
+                w = tl.load(w_base + kb * 32 + ((cw >> 8) * 16)[:, None])
+                if FUSE_QUANT:
+                    xf = tl.load(x_base + kb * 32).to(tl.float32)
+                    cx = _ue8m0_code(tl.max(tl.abs(xf), axis=0))  # [BM]
+                    xr = _round_e4m3(xf * _pow2_f32(254 - cx)[None, :])  # exact e4m3 values, fp32
+                else:
+                    cx = tl.load(xc_base + kb)  # int32 codes
+                    xr = tl.load(x_base + kb * 32 + ((cx >> 8) * 16)[None, :])
+                if FP8_DOT:
+                    part = tl.dot(w, xr.to(tl.float8e4nv))
+                else:  # interpreter: the same exact values as float32
+                    part = tl.dot(w.to(tl.float32), xr.to(tl.float32), input_precision="ieee")
+                acc += (part * _pow2_f32(cw)[:, None]) * _pow2_f32(cx)[None, :]
+
+    mask = (offs_n < N)[:, None] & (offs_m < M)[None, :]
+    out_off = offs_m.to(tl.int64)[None, :] * stride_om + offs_n[:, None]  # [BN, BM]
+    if not PARTIAL:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + rows_n).to(tl.float32)[:, None]
+        tl.store(out_ptr + out_off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    else:
+        ws_off = offs_m.to(tl.int64)[None, :] * N + offs_n[:, None]
+        tl.store(ws_ptr + pid_k.to(tl.int64) * stride_os + ws_off, acc, mask=mask)
+        if SERIAL:  # the last split of this tile to arrive sums the partials: no second launch
+            tl.debug_barrier()  # every thread's partial is stored before the release below
+            arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+            if arrived == split_k - 1:
+                total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+                for s in range(0, split_k):
+                    total += tl.load(ws_ptr + s * stride_os + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + rows_n).to(tl.float32)[:, None]
+                tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=mask)
+                tl.atomic_xchg(lock_ptr + pid_n, 0)  # re-arm for the next call
+
+
+# --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -295,6 +454,7 @@ class GemmConfig:
     group_n: int = 8
     w_in_regs: bool = True
     serial_reduce: bool = False  # split-K: the last CTA of a tile sums the partials (one launch)
+    decode: bool = False  # M <= 16: the FP8-dot weight stream (_mxfp8_decode_kernel)
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -336,16 +496,55 @@ def _wave_eff(ctas: int, sms: int) -> float:
     return ctas / (triton.cdiv(ctas, sms) * sms)
 
 
-def choose_config(m: int, n: int, k: int, device: torch.device) -> GemmConfig:
+#: The decode kernel pads M to this (the N of its FP8 MMA); it serves M <= DECODE_BLOCK_M.
+DECODE_BLOCK_M = 16
+
+
+def _has_fp8_mma(device: torch.device) -> bool:
+    """FP8 tensor-core dots (SM89+), or the interpreter (which runs them in float32)."""
+    if device.type != "cuda":
+        return True
+    return torch.cuda.get_device_capability(device) >= (8, 9)
+
+
+def decode_config(m: int, n: int, k: int, device: torch.device, *, block_n: int = 64, block_k: int = 256,
+                  num_warps: int = 4, num_stages: int = 5, fuse_quant: bool = False, waves: float = 2.0,
+                  serial_reduce: bool = True) -> GemmConfig:
+    """Config of the decode kernel: BLOCK_N weight rows per program, split-K up to ~``waves`` x SMs
+    programs (each split keeps >= 1 K-tile; no empty splits)."""
+    sms = _num_sms(device)
+    bk = _fit_block_k(k, block_k)
+    tiles = triton.cdiv(n, block_n)
+    k_tiles = k // bk
+    split = max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
+    split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
+    return GemmConfig(block_n, DECODE_BLOCK_M, bk, split_k=split, fuse_quant=fuse_quant, num_warps=num_warps,
+                      num_stages=num_stages, serial_reduce=serial_reduce, decode=True)
+
+
+def use_decode(m: int, n: int, k: int, device: torch.device) -> bool:
+    """Where the decode kernel beat the tile kernel on the H200 (benchmarks/NOTES_gemm.md, decode
+    section, run 2): M <= 4 on weights with enough 64-row tiles for two waves without split-K and
+    K >= 1024 (DeepSeek q_b_proj and mlp.gate_up_proj: x1.06-1.10 bf16 vs x0.87-0.99). Everywhere
+    else measured, the tile kernel was as fast or faster, so it stays the default."""
+    return (m <= 4 and k >= 1024 and k % 256 == 0 and triton.cdiv(n, 64) >= 2 * _num_sms(device)
+            and _has_fp8_mma(device))
+
+
+def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool = True) -> GemmConfig:
     """Tile choice by M bucket; rules fitted to a sweep on one H200 (benchmarks/NOTES_gemm.md).
 
-    - M <= 64 (decode): a weight stream. 64-row weight tiles, split-K up to ~2 CTAs per SM for
+    - :func:`use_decode` (M <= 4 on large-N weights): the decode kernel, one FP8 MMA per 32-block
+      (``decode=False`` skips it, for comparisons).
+    - M <= 64: a weight stream. 64-row weight tiles, split-K up to ~2 CTAs per SM for
       small weights (< 40 M elements: one kernel, activations quantized inside the GEMM, the last
       CTA of each tile reduces the splits) and ~4 per SM for large ones (separate quantize and
       reduce kernels, which then cost less than the fused quantization's ALU work).
     - M <= 1024: 128x128 tiles (64x64 when N <= 2048), split-K while < half the SMs are busy.
     - larger: 128x256x64 tiles, 8 warps; split-K=2 when it fixes a poor last wave.
     """
+    if decode and use_decode(m, n, k, device):
+        return decode_config(m, n, k, device)
     sms = _num_sms(device)
     small = n * k < SMALL_WEIGHT
     if m <= 64:
@@ -502,6 +701,8 @@ def _launch(
         raise LayoutError(f"block_k={cfg.block_k} does not divide K={k}")
     if x.stride(1) != 1:
         x = x.contiguous()
+    if cfg.decode:
+        return _launch_decode(x, weight, bias, out, cfg)
     a = x if cfg.fuse_quant else quantize_activations(x)["deq"]
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
@@ -525,5 +726,56 @@ def _launch(
         _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
             ws, bias_t, out, n, m * n, m * n, cfg.split_k,
             HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+        )
+    return out
+
+
+def _scale_tile(weight: MXFP8Weight, block_k: int) -> int:
+    """How the decode kernel reads scales: 2 = one [BN, 2]-word load per 256-wide K-tile (split
+    into columns), 1 = [BN, BK/128] words per K-tile, 0 = one load per 32-block (canonical)."""
+    if weight.layout == CANONICAL or block_k % 128:
+        return 0
+    return 2 if block_k == 256 else 1
+
+
+def _launch_decode(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+) -> torch.Tensor:
+    """The decode kernel (+ activation quantization unless fused, + reduce unless serial)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > cfg.block_m:
+        raise LayoutError(f"the decode kernel serves M <= block_m={cfg.block_m}, got M={m}")
+    if cfg.block_k % 32 or k % cfg.block_k:
+        raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
+    if cfg.fuse_quant:
+        xq = xc = x
+    else:  # e4m3 bytes and int32 codes (32-bit loads, which Triton pipelines)
+        xq = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+        xc = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
+        bk = min(128, triton.next_power_of_2(k))
+        _quantize_kernel[(triton.cdiv(m, 16), triton.cdiv(k, bk))](
+            x, x, xq, xc, m, k, x.stride(0), WRITE_DEQ=False, WRITE_Q=True, BLOCK_M=16, BLOCK_K=bk, num_warps=4)
+        xq = xq.view(torch.float8_e4m3fn)
+    c, cp4 = _scale_geometry(weight)
+    has_bias = bias is not None
+    bias_t = bias if has_bias else out
+    partial = cfg.split_k > 1
+    serial = partial and cfg.serial_reduce
+    tiles = triton.cdiv(n, cfg.block_n)
+    ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
+    lock = _tile_locks(x.device, tiles) if serial else ws
+    _mxfp8_decode_kernel[(tiles, cfg.split_k)](
+        x, xq, xc, weight.data, _scale_operand(weight), bias_t, out, ws, lock,
+        m, n, k, x.stride(0), weight.data.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
+        LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant, FP8_DOT=x.device.type == "cuda",
+        HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        PARTIAL=partial, SERIAL=serial, SCALE_TILE=_scale_tile(weight, cfg.block_k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial and not serial:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            ws, bias_t, out, n, m * n, m * n, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
         )
     return out

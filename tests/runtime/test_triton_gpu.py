@@ -9,6 +9,8 @@ Outputs are poisoned with NaN first so an unwritten element fails the test.
 
 from __future__ import annotations
 
+import os
+
 import pytest
 import torch
 
@@ -18,7 +20,8 @@ from tests.runtime.shapes import MODEL_SHAPES
 
 pytestmark = pytest.mark.gpu
 LAYOUTS = ("trtllm", "cutlass")
-MS = (1, 16, 100, 2048, 8192)
+# MXFP8_GPU_TEST_MAX_M=16 keeps the decode sizes only (a short device run)
+MS = tuple(m for m in (1, 4, 16, 100, 2048, 8192) if m <= int(os.environ.get("MXFP8_GPU_TEST_MAX_M", "1000000")))
 
 
 def _triton():
@@ -86,6 +89,46 @@ def test_configs_agree(layout, fuse, w_in_regs):
         tri.triton_linear(x, w, bias, out=out, config=cfg)
         assert not out.isnan().any()
         assert rel_err(out, ref) <= 1e-2
+
+
+@pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
+@pytest.mark.parametrize("m", [1, 5, 16])
+def test_decode_configs_agree(layout, m):
+    """The decode kernel's variants: fused / separate activation quantization, 32/64/128-row
+    tiles (mma.sync / wgmma), 128- and 256-wide K-tiles (both scale-load schemes), N tail
+    (576 = 4.5 x 128), serial and two-kernel split-K, bias, each run twice so the arrival
+    counters must re-arm."""
+    tri = _triton()
+    n, k = 576, 7168
+    w, q, code = random_weight(n, k, layout, seed=5 + m)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
+    dev = torch.device("cuda")
+    variants = [  # (block_n, block_k, warps, fused quantization, waves, serial): each feature once
+        (64, 256, 4, False, 2, True), (64, 256, 4, True, 3, True), (128, 256, 4, False, 3, True),
+        (64, 256, 4, False, 0.01, True), (64, 256, 4, False, 3, False), (128, 128, 8, True, 4, False),
+        (32, 128, 4, True, 4, True), (64, 128, 4, False, 4, True),
+    ]
+    for bn, bk, warps, fuse, waves, serial in variants:
+        cfg = tri.decode_config(m, n, k, dev, block_n=bn, block_k=bk, num_warps=warps, fuse_quant=fuse,
+                                waves=waves, serial_reduce=serial)
+        for _ in range(2):
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            tri.triton_linear(x, w, bias, out=out, config=cfg)
+            assert not out.isnan().any(), cfg
+            assert rel_err(out, ref) <= 1e-2, cfg
+
+
+def test_decode_is_the_rule_where_measured_faster():
+    tri = _triton()
+    if torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 tensor cores need SM89+")
+    dev = torch.device("cuda")
+    assert tri.choose_config(1, 24576, 1536, dev).decode  # DeepSeek q_b_proj
+    assert tri.choose_config(4, 18432, 7168, dev).decode  # DeepSeek mlp.gate_up_proj
+    assert not tri.choose_config(16, 18432, 7168, dev).decode
+    assert not tri.choose_config(1, 4096, 4096, dev).decode
 
 
 def test_auto_engine_is_triton_on_hopper():
