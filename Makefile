@@ -24,8 +24,10 @@ demo: install
 	$(BIN)/mxfp8-convert $(DEMO_SRC) --backend cutlass
 
 bench: install
-	$(BIN)/python benchmarks/bench_layouts.py
-	$(BIN)/python benchmarks/bench_convert.py
+	$(BIN)/python benchmarks/bench_layouts.py --threads 1
+	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_quantize.py
+	$(BIN)/python benchmarks/bench_convert.py --workers 1 2
+	$(BIN)/python benchmarks/bench_moe_convert.py
 
 lint: install
 	$(BIN)/ruff check mxfp8_convert tests benchmarks examples

@@ -16,9 +16,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-from safetensors.torch import save_file
-
 sys.path.insert(0, str(Path(__file__).parent))
 from _env import banner  # noqa: E402
 
@@ -27,6 +24,9 @@ SHAPES = [("mlp.down_proj", 16384, 32768), ("mlp.up_proj", 28672, 8192), ("self_
 
 
 def make_source(root: Path, gb: float) -> Path:
+    import torch  # only in the child that makes the data: the timing parent stays small
+    from safetensors.torch import save_file
+
     if (root / "model.safetensors.index.json").exists():
         return root
     root.mkdir(parents=True, exist_ok=True)
@@ -72,10 +72,9 @@ def main() -> None:
     ap.add_argument("--dir", default="bench-data")
     ap.add_argument("--backend", nargs="+", default=["trtllm", "cutlass"])
     ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--workers", type=int, nargs="+", default=[1], help="also time --workers N (e.g. 1 2)")
     ap.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
-    if not args.make_only:
-        print(banner())
     base = Path(args.dir)
     if args.make_only:
         make_source(base / "src", args.gb)
@@ -95,19 +94,23 @@ def main() -> None:
         t_sync, _ = timed(["sync"])
         results["cp -r + sync"].append(t_cp + t_sync)
         for backend in args.backend:
-            shutil.rmtree(dst, ignore_errors=True)
-            subprocess.run(["sync"], check=True)
-            t, r = timed([sys.executable, "-m", "mxfp8_convert", str(src), "--backend", backend, "-o", str(dst), "--quiet"])
-            results.setdefault(f"mxfp8-convert {backend}", []).append(t)
-            rss[backend] = max(rss.get(backend, 0), r)
+            for w in args.workers:
+                shutil.rmtree(dst, ignore_errors=True)
+                subprocess.run(["sync"], check=True)
+                t, r = timed([sys.executable, "-m", "mxfp8_convert", str(src), "--backend", backend, "-o", str(dst),
+                              "--quiet", "--workers", str(w)])
+                name = f"mxfp8-convert {backend}" + (f" --workers {w}" if w > 1 else "")
+                results.setdefault(name, []).append(t)
+                rss[name] = max(rss.get(name, 0), r)
     shutil.rmtree(dst, ignore_errors=True)
 
+    print(banner())  # after the timings: importing torch here must not inflate the children's RSS
     print(f"source: {size / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, largest tensor 512 MiB; "
           f"median of {args.repeat} interleaved runs")
     base_t = statistics.median(results["cp -r + sync"])
     for name, ts in results.items():
         t = statistics.median(ts)
-        extra = f"  peak RSS {rss[name.split()[-1]] / 2**20:.0f} MiB" if name.startswith("mxfp8") else ""
+        extra = f"  peak RSS {rss[name] / 2**20:.0f} MiB" if name in rss else ""
         print(f"{name:24s} {t:7.2f} s  {size / t / 1e9:5.2f} GB/s  speed vs cp+sync {base_t / t:4.2f}x{extra}")
 
 

@@ -606,6 +606,18 @@ def _sort_key(t: TensorPlan) -> tuple[int, str]:
     return (-itemsize(t.dtype), t.name)
 
 
+def _check_unique_names(shards: tuple[ShardPlan, ...], ckpt: SourceCheckpoint) -> None:
+    """A source tensor named like one the conversion writes (``P.weight_scale_swizzled`` beside
+    a converted ``P``) would be written twice, and a loader could read the wrong bytes."""
+    seen: set[str] = set()
+    for shard in shards:
+        for t in shard.tensors:
+            if t.name in seen:
+                where = ckpt.tensors[t.name].file if t.name in ckpt.tensors else shard.name
+                raise SourceError(f"{where}: tensor {t.name!r} has the name of a tensor the conversion writes")
+            seen.add(t.name)
+
+
 def build_plan(
     ckpt: SourceCheckpoint,
     backend: BackendSpec,
@@ -656,6 +668,7 @@ def build_plan(
         if name not in consumed:
             per_shard[info.file].append(TensorPlan(name, "passthrough", info.dtype, info.shape, "copy", name))
     shards = tuple(ShardPlan(rel, tuple(sorted(ts, key=_sort_key))) for rel, ts in sorted(per_shard.items()))
+    _check_unique_names(shards, ckpt)
     marker = make_marker(ckpt, backend, fmt, ignored, layers)
     return ConversionPlan(
         source=str(ckpt.root), backend=backend.name, format=fmt.name, shards=shards,

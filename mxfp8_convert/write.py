@@ -132,6 +132,44 @@ class ShardWriter:
         mv = _as_memoryview(view)
         self._enqueue(self._writer.submit(self._copy_range, src_fd, offset, mv.nbytes, mv), mv, view, release)
 
+    def _copy_rows(self, src_fd: int, begin: int, row_bytes: int, order: list[int], view: memoryview) -> None:
+        """Append source rows ``order[0], order[1], ...`` (each ``row_bytes`` long, row ``r`` at
+        ``begin + r * row_bytes``) with one in-kernel copy each; hash them in that order."""
+        for i, r in enumerate(order):
+            piece = view[r * row_bytes:(r + 1) * row_bytes]
+            self._hash.update(piece)
+            off, done = begin + r * row_bytes, 0
+            try:
+                while done < row_bytes:
+                    got = os.copy_file_range(src_fd, self._f.fileno(), row_bytes - done, off + done)
+                    if got == 0:
+                        raise OSError(errno.EIO, "source ended during copy")
+                    done += got
+            except (AttributeError, OSError) as e:
+                if isinstance(e, OSError) and e.errno not in _NO_KERNEL_COPY:
+                    raise
+                self._write_rest(piece[done:])
+                for r2 in order[i + 1:]:  # no kernel copies here: plain writes for the rest
+                    piece = view[r2 * row_bytes:(r2 + 1) * row_bytes]
+                    self._hash.update(piece)
+                    self._write_rest(piece)
+                return
+
+    def _write_rest(self, mv: memoryview) -> None:
+        while mv.nbytes:
+            mv = mv[self._f.write(mv):]
+
+    def copy_rows(self, src_fd: int, begin: int, row_bytes: int, order: list[int], view: torch.Tensor,
+                  release=None) -> None:
+        """Queue the rows of ``view`` (the bytes of ``src_fd`` at ``begin``) in the given order.
+
+        A row permutation (the P32 shuffle) done by the kernel, row by row, as cp copies files:
+        on this project's machines, many times faster than shuffling in memory and writing.
+        """
+        mv = _as_memoryview(view)
+        wrote = self._writer.submit(self._copy_rows, src_fd, begin, row_bytes, order, mv)
+        self._enqueue(wrote, mv, view, release)
+
     def write(self, data: torch.Tensor | bytes, release=None) -> None:
         """Queue ``data`` to be appended to the file; ``release(data)`` is called once written.
 

@@ -148,3 +148,30 @@ def test_default_output_is_beside_the_model(sources):
 
     src, _ = sources[("sglang_mxfp8", str(torch.uint8))]
     assert default_output(str(src), "trtllm") == src.resolve().parent / f"{src.name}-trtllm"
+
+
+@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "fallback-write"])
+def test_wide_rows_are_shuffled_by_kernel_row_copies(tmp_path, monkeypatch, kernel_copy):
+    """Rows of >= 8 KiB are P32-shuffled with one copy_file_range per row; where the kernel
+    cannot copy (EXDEV, ...), plain writes give the same bytes."""
+    import errno
+    import os
+
+    from mxfp8_convert.convert import ROW_COPY_MIN_BYTES
+    from mxfp8_convert.layouts import p32_shuffle_rows
+
+    if not kernel_copy:
+        def refuse(*a, **k):
+            raise OSError(errno.EXDEV, "cross-device")
+        monkeypatch.setattr(os, "copy_file_range", refuse)
+    module = "model.layers.0.mlp.wide_proj"
+    spec = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256,
+                     extra_modules=((module, 160, ROW_COPY_MIN_BYTES),))
+    src = write_checkpoint(tmp_path / "src", spec)
+    convert(src, "trtllm", tmp_path / "out")
+    got, _ = load_all(tmp_path / "out")
+    want, _ = load_all(src)
+    assert torch.equal(got[f"{module}.weight"].view(torch.uint8), p32_shuffle_rows(want[f"{module}.weight"].view(torch.uint8)))
+    done = json.loads((tmp_path / "out" / COMPLETE_MARKER).read_text())
+    shard = next(f for f in done["files"] if f.endswith(".safetensors") and f"{module}.weight" in load_all_shard(tmp_path / "out" / f))
+    assert done["files"][shard]["xxh3_128"] == xxh(tmp_path / "out" / shard)

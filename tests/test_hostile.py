@@ -366,10 +366,6 @@ def test_every_hostile_input_is_rejected_by_open_checkpoint_or_the_plan(tmp_path
             (outside / SHARD1).unlink()
 
 
-@pytest.mark.xfail(strict=True, reason=(
-    "plan.py: build_plan does not check that output tensor names are unique; a source tensor "
-    "named like a converted one ('P.weight_scale_swizzled') is written beside it and the index "
-    "points at the source's bytes (see the issue-5 report)"))
 def test_source_tensor_named_like_an_output_tensor_is_refused(capsys, tmp_path):
     """A hostile extra tensor 'up_proj.weight_scale_swizzled' (7s) in SHARD2 must not end up as
     the scale a loader reads for up_proj."""
