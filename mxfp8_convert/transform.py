@@ -158,34 +158,3 @@ def check_scale_codes(s: torch.Tensor, name: str) -> None:
     if bool(bad.any()):
         idx = [int(i) for i in bad.nonzero()[0]]
         raise LayoutError(f"scale {name!r} holds NaN (UE8M0 byte 255) at {idx}")
-
-
-_M7 = 0x7F7F7F7F7F7F7F7F
-_ONES = 0x0101010101010101
-_HIGH = -0x7F7F7F7F7F7F7F80  # 0x8080808080808080 as a signed int64
-
-
-def has_e4m3_nan(chunk: torch.Tensor) -> bool:
-    """Whether uint8 ``chunk`` (e4m3 bytes) holds a NaN code (0x7F or 0xFF).
-
-    Word-parallel: with ``y = b & 0x7F`` per byte, ``y + 1`` sets bit 7 exactly when ``y == 0x7F``
-    and never carries into the next byte, so 8 bytes are tested per int64 operation.
-    """
-    c = chunk.reshape(-1).view(torch.uint8)
-    head = c.numel() // 8 * 8
-    if c.storage_offset() % 8:
-        c = c.clone()
-    if head:
-        y = c[:head].view(torch.int64) & _M7
-        y += _ONES
-        y &= _HIGH
-        if bool(y.any()):
-            return True
-    tail = c[head:]
-    return bool(((tail & 0x7F) == 0x7F).any())
-
-
-def first_e4m3_nan(w: torch.Tensor) -> list[int]:
-    """Index ``[row, col]`` of the first NaN byte of a 2-D e4m3/uint8 tensor."""
-    bad = (w.view(torch.uint8) & 0x7F) == 0x7F
-    return [int(i) for i in bad.nonzero()[0]]

@@ -19,7 +19,6 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import torch
-import xxhash
 
 from mxfp8_convert.backends import BACKENDS, FORMAT_VERSION
 from mxfp8_convert.errors import ConvertError, VerifyError
@@ -43,6 +42,7 @@ from mxfp8_convert.plan import (
 from mxfp8_convert.quantize import quantization_error
 from mxfp8_convert.read import SourceCheckpoint, open_checkpoint, read_tensor, resolve_model
 from mxfp8_convert.transform import canonical_module
+from mxfp8_convert.write import file_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -139,14 +139,6 @@ def _completion(root: Path) -> dict:
     return done
 
 
-def _hash_file(p: Path) -> str:
-    h = xxhash.xxh3_128()
-    with open(p, "rb") as f:
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-    return h.hexdigest()
-
-
 def _check_files(root: Path, done: dict, report: VerifyReport, check_hashes: bool) -> None:
     for rel, rec in sorted(done["files"].items()):
         p = root / rel
@@ -155,7 +147,7 @@ def _check_files(root: Path, done: dict, report: VerifyReport, check_hashes: boo
             report.mismatches.append(Mismatch(rel, "listed in the completion marker but missing"))
         elif p.stat().st_size != rec.get("size"):
             report.mismatches.append(Mismatch(rel, f"size {p.stat().st_size} != recorded {rec.get('size')}"))
-        elif check_hashes and _hash_file(p) != rec.get("xxh3_128"):
+        elif check_hashes and file_digest(p) != rec.get("xxh3_128"):
             report.mismatches.append(Mismatch(rel, "xxh3_128 hash differs from the completion marker"))
 
 

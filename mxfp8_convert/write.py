@@ -104,14 +104,18 @@ class ShardWriter:
 
     def _write_all(self, mv: memoryview) -> None:
         self._hash.update(mv)
-        while mv.nbytes:
-            n = self._f.write(mv)
-            mv = mv[n:]
+        self._write_raw(mv)
 
-    def _copy_range(self, src_fd: int, offset: int, n: int, view: memoryview) -> None:
-        """Copy ``n`` bytes of ``src_fd`` at ``offset`` in the kernel (like cp); plain write of
-        ``view`` (the same bytes) where copy_file_range is unavailable."""
-        self._hash.update(view)
+    def _write_raw(self, mv: memoryview) -> None:
+        while mv.nbytes:
+            mv = mv[self._f.write(mv):]
+
+    def _kernel_copy(self, src_fd: int, offset: int, n: int) -> int:
+        """Append ``n`` bytes of ``src_fd`` at ``offset`` with copy_file_range, as cp does.
+
+        Returns ``n``, or the bytes copied before the kernel said it cannot copy between these
+        files (the caller writes the rest itself); other errors propagate.
+        """
         done = 0
         try:
             while done < n:
@@ -122,9 +126,14 @@ class ShardWriter:
         except (AttributeError, OSError) as e:
             if isinstance(e, OSError) and e.errno not in _NO_KERNEL_COPY:
                 raise
-            mv = view[done:]
-            while mv.nbytes:
-                mv = mv[self._f.write(mv):]
+        return done
+
+    def _copy_range(self, src_fd: int, offset: int, n: int, view: memoryview) -> None:
+        """Copy ``n`` bytes of ``src_fd`` at ``offset`` in the kernel; a plain write of ``view``
+        (the same bytes) for whatever the kernel cannot copy."""
+        self._hash.update(view)
+        done = self._kernel_copy(src_fd, offset, n)
+        self._write_raw(view[done:])
 
     def copy(self, src_fd: int, offset: int, view: torch.Tensor, release=None) -> None:
         """Queue ``view.numel()`` bytes of ``src_fd`` at ``offset`` (``view`` holds the same bytes,
@@ -135,29 +144,13 @@ class ShardWriter:
     def _copy_rows(self, src_fd: int, begin: int, row_bytes: int, order: list[int], view: memoryview) -> None:
         """Append source rows ``order[0], order[1], ...`` (each ``row_bytes`` long, row ``r`` at
         ``begin + r * row_bytes``) with one in-kernel copy each; hash them in that order."""
-        for i, r in enumerate(order):
+        kernel = True
+        for r in order:
             piece = view[r * row_bytes:(r + 1) * row_bytes]
             self._hash.update(piece)
-            off, done = begin + r * row_bytes, 0
-            try:
-                while done < row_bytes:
-                    got = os.copy_file_range(src_fd, self._f.fileno(), row_bytes - done, off + done)
-                    if got == 0:
-                        raise OSError(errno.EIO, "source ended during copy")
-                    done += got
-            except (AttributeError, OSError) as e:
-                if isinstance(e, OSError) and e.errno not in _NO_KERNEL_COPY:
-                    raise
-                self._write_rest(piece[done:])
-                for r2 in order[i + 1:]:  # no kernel copies here: plain writes for the rest
-                    piece = view[r2 * row_bytes:(r2 + 1) * row_bytes]
-                    self._hash.update(piece)
-                    self._write_rest(piece)
-                return
-
-    def _write_rest(self, mv: memoryview) -> None:
-        while mv.nbytes:
-            mv = mv[self._f.write(mv):]
+            done = self._kernel_copy(src_fd, begin + r * row_bytes, row_bytes) if kernel else 0
+            kernel = done == row_bytes  # once the kernel refuses, plain writes for the rest
+            self._write_raw(piece[done:])
 
     def copy_rows(self, src_fd: int, begin: int, row_bytes: int, order: list[int], view: torch.Tensor,
                   release=None) -> None:
