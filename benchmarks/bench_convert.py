@@ -8,16 +8,13 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import shutil
 import statistics
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _env import banner  # noqa: E402
+from _env import against_cp, banner  # noqa: E402
 
 # (name, N, K): Llama-3-70B-like shapes; the largest weight is 512 MiB (16384 x 32768)
 SHAPES = [("mlp.down_proj", 16384, 32768), ("mlp.up_proj", 28672, 8192), ("self_attn.q_proj", 8192, 8192)]
@@ -54,18 +51,6 @@ def make_source(root: Path, gb: float) -> Path:
     return root
 
 
-def timed(cmd: list[str]) -> tuple[float, int]:
-    """Wall time and peak RSS (bytes) of one child process (os.wait4 gives that child's own)."""
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    dt = time.perf_counter() - t
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    if proc.returncode:
-        raise SystemExit(f"{cmd[0]} failed with exit code {proc.returncode}")
-    return dt, usage.ru_maxrss * 1024  # KiB on Linux
-
-
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("--gb", type=float, default=4.0)
@@ -84,25 +69,12 @@ def main() -> None:
     src = base / "src"
     size = sum(p.stat().st_size for p in src.iterdir())
     subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
-    results: dict[str, list[float]] = {"cp -r + sync": []}
-    rss: dict[str, int] = {}
-    dst = base / "dst"
-    for _ in range(args.repeat):  # interleaved, so that machine noise hits every contender alike
-        shutil.rmtree(dst, ignore_errors=True)
-        subprocess.run(["sync"], check=True)
-        t_cp, _ = timed(["cp", "-r", str(src), str(dst)])
-        t_sync, _ = timed(["sync"])
-        results["cp -r + sync"].append(t_cp + t_sync)
-        for backend in args.backend:
-            for w in args.workers:
-                shutil.rmtree(dst, ignore_errors=True)
-                subprocess.run(["sync"], check=True)
-                t, r = timed([sys.executable, "-m", "mxfp8_convert", str(src), "--backend", backend, "-o", str(dst),
-                              "--quiet", "--workers", str(w)])
-                name = f"mxfp8-convert {backend}" + (f" --workers {w}" if w > 1 else "")
-                results.setdefault(name, []).append(t)
-                rss[name] = max(rss.get(name, 0), r)
-    shutil.rmtree(dst, ignore_errors=True)
+    contenders = {
+        f"mxfp8-convert {backend}" + (f" --workers {w}" if w > 1 else ""):
+            [sys.executable, "-m", "mxfp8_convert", str(src), "--backend", backend, "--quiet", "--workers", str(w)]
+        for backend in args.backend for w in args.workers
+    }
+    results, rss = against_cp(src, base / "dst", contenders, args.repeat)
 
     print(banner())  # after the timings: importing torch here must not inflate the children's RSS
     print(f"source: {size / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, largest tensor 512 MiB; "

@@ -14,14 +14,15 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import shutil
 import statistics
 import struct
 import subprocess
 import sys
-import time
 from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).parent))
+from _env import against_cp, timed  # noqa: E402  (_env imports torch only inside banner())
 
 POOL_BYTES = 64 << 20  # distinct random bytes; tensors are cut from it at varying offsets
 
@@ -44,22 +45,6 @@ def nbytes(dtype: str, shape: tuple[int, ...]) -> int:
     for d in shape:
         n *= d
     return n
-
-
-def timed(cmd: list[str]) -> tuple[float, int]:
-    """Wall time and peak RSS (bytes) of one child process.
-
-    Like bench_convert.timed, but this process must not import torch: a child's ru_maxrss
-    counts the image it was forked from until exec (Linux records the old mm's high-water
-    mark at exec), so a 600 MB parent would be reported as a 600 MB converter.
-    """
-    t = time.perf_counter()
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
-    _, status, usage = os.wait4(proc.pid, 0)
-    dt = time.perf_counter() - t
-    if os.waitstatus_to_exitcode(status):
-        raise SystemExit(f"{cmd[0]} failed with exit code {os.waitstatus_to_exitcode(status)}")
-    return dt, usage.ru_maxrss * 1024  # KiB on Linux
 
 
 def pools() -> dict[str, bytes]:
@@ -154,21 +139,8 @@ def main() -> None:
     contenders = {"mxfp8-convert trtllm (fused MoE)": convert}
     if args.keep:
         contenders["mxfp8-convert trtllm --moe keep"] = [*convert, "--moe", "keep"]
-    times: dict[str, list[float]] = {"cp -r + sync": []}
-    rss: dict[str, int] = {}
+    times, rss = against_cp(src, base / "dst", contenders, args.repeat)
     dst = base / "dst"
-    for _ in range(args.repeat):  # interleaved, so that machine noise hits every contender alike
-        shutil.rmtree(dst, ignore_errors=True)
-        subprocess.run(["sync"], check=True)
-        t_cp, _ = timed(["cp", "-r", str(src), str(dst)])
-        t_sync, _ = timed(["sync"])
-        times["cp -r + sync"].append(t_cp + t_sync)
-        for name, cmd in contenders.items():
-            shutil.rmtree(dst, ignore_errors=True)
-            subprocess.run(["sync"], check=True)
-            t, r = timed([*cmd, "-o", str(dst)])
-            times.setdefault(name, []).append(t)
-            rss[name] = max(rss.get(name, 0), r)
     if args.verify:
         shutil.rmtree(dst, ignore_errors=True)
         subprocess.run([*convert, "-o", str(dst)], check=True)
