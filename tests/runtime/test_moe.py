@@ -32,7 +32,6 @@ import inspect
 import os
 import re
 import subprocess
-import sys
 import types
 from pathlib import Path
 
@@ -51,10 +50,7 @@ from mxfp8_convert.runtime.moe import (
     trtllm_routed_moe_args,
 )
 from mxfp8_convert.runtime.reference import fake_quantize_mxfp8, quantize_mxfp8
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = Path(__file__).resolve().parents[2]
-interp = pytest.mark.skipif(not INTERPRETING, reason="runs inside test_interpreter_suite's TRITON_INTERPRET=1 process")
+from tests.runtime.interpreter import INTERPRETING, interp, run_interpreter_suite
 
 
 # --------------------------------------------------------------------------------------------
@@ -544,16 +540,7 @@ def test_our_preflight(tiny):
 # Triton engine under the interpreter
 # --------------------------------------------------------------------------------------------
 def test_interpreter_suite():
-    if INTERPRETING:
-        pytest.skip("this is the interpreter run")
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
-        pytest.skip(f"the interpreter tests need Triton >= 3.9, found {triton.__version__}")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k", "interp_"]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+    run_interpreter_suite(str(Path(__file__)), "interp_")
 
 
 def _check_triton(m: TinyMoE, out: torch.Tensor) -> None:

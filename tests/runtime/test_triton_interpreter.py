@@ -12,34 +12,17 @@ tensor-core path is checked by the ``gpu`` tests on an H200.
 
 from __future__ import annotations
 
-import os
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
 from mxfp8_convert.runtime import MXFP8Weight, mxfp8_linear, quantize_mxfp8, reference_linear
-
-INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
-ROOT = Path(__file__).resolve().parents[2]
-interp = pytest.mark.skipif(not INTERPRETING, reason="runs inside test_interpreter_suite's TRITON_INTERPRET=1 process")
+from tests.runtime.interpreter import interp, run_interpreter_suite
 
 
 def test_interpreter_suite():
-    if INTERPRETING:
-        pytest.skip("this is the interpreter run")
-    triton = pytest.importorskip("triton")
-    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
-        # Triton 3.6's interpreter cannot iterate a range bounded by program_id (seen on the H200
-        # image); compiled kernels are unaffected. The test setup installs Triton 3.9.
-        pytest.skip(f"the interpreter tests need Triton >= 3.9, found {triton.__version__}")
-    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", str(Path(__file__)), "-k", "not suite"]
-    r = subprocess.run(cmd, cwd=ROOT, env=env, capture_output=True, text=True, timeout=900)
-    assert r.returncode == 0, r.stdout[-4000:] + r.stderr[-2000:]
-    assert " passed" in r.stdout and "skipped" not in r.stdout.splitlines()[-1], r.stdout[-2000:]
+    run_interpreter_suite(str(Path(__file__)), "not suite")
 
 
 def _case(layout, m, n, k, seed=0):
