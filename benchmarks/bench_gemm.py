@@ -240,7 +240,12 @@ DECODE_MS = (1, 4, 16)
 def decode_variants(m: int, n: int, k: int, sweep: bool) -> dict:
     """Configs timed per (shape, M): the rule (``choose_config``) and, with ``sweep``, alternatives
     (``old``: the tile kernel's small-M config, i.e. the path before the decode kernel)."""
-    from mxfp8_convert.runtime.triton_mxfp8 import choose_config, decode_config
+    from mxfp8_convert.runtime.triton_mxfp8 import (
+        GEMV_MAX_M,
+        choose_config,
+        decode_config,
+        gemv_config,
+    )
 
     dev = torch.device("cuda")
     out = {"rule": choose_config(m, n, k, dev)}
@@ -248,12 +253,22 @@ def decode_variants(m: int, n: int, k: int, sweep: bool) -> dict:
         return out
     out["old"] = choose_config(m, n, k, dev, decode=False)
     d = lambda **kw: decode_config(m, n, k, dev, **kw)  # noqa: E731
-    out.update({  # decode-kernel alternatives (serial split-K reduction)
-        "b64.w2": d(waves=2),
-        "b64.w3": d(waves=3),
-        "b64.fuse": d(fuse_quant=True, waves=3),
-        "b128.w3": d(block_n=128, num_stages=4, waves=3),
+    out.update({  # decode-kernel alternatives (serial split-K reduction); 32-row tiles: mma.sync
+        "dec.b64.w2": d(waves=2),
+        "dec.b32.w4": d(block_n=32, waves=4),
+        "dec.b32.w4.fuse": d(block_n=32, waves=4, fuse_quant=True),
+        "dec.b64.nw2": d(block_n=64, num_warps=2, waves=4),
     })
+    if m <= GEMV_MAX_M:  # the CUDA-core GEMV kernel
+        g = lambda **kw: gemv_config(m, n, k, dev, **kw)  # noqa: E731
+        out.update({
+            "gemv.b32.w4": g(),
+            "gemv.b32.w8": g(waves=8),
+            "gemv.b64.w4": g(block_n=64),
+            "gemv.b32.bk512": g(block_k=512),
+            "gemv.b32.nofuse": g(fuse_quant=False),
+            "gemv.b32.cvt": g(words=False),
+        })
     return out
 
 

@@ -438,6 +438,166 @@ def _mxfp8_decode_kernel(
 
 
 # --------------------------------------------------------------------------------------------
+# GEMV (M <= 4): the weight stream on CUDA cores, no tensor-core round trips
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _gemv_row(acc, wf, sw, x_row, kt, FUSE_QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """``acc [BN, BK/32] += sum_32(wf * xd) * sw`` for one activation row of K-tile ``kt``.
+
+    ``xd`` is the row's MXFP8 value ``q * 2^(code-127)`` in fp32 (exact): quantized here
+    (FUSE_QUANT) or already by :func:`quantize_activations`. ``wf`` are the e4m3 weight values,
+    so each product is exact and only the 32-term sums round (fp32), as in a tensor-core MMA.
+    """
+    x = tl.load(x_row + kt * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.float32)
+    if FUSE_QUANT:
+        deq, _r, _c = _mx_fake_quant(tl.reshape(x, (1, BLOCK_K // 32, 32)), 2)
+        x = tl.reshape(deq, (BLOCK_K,))
+    part = tl.sum(tl.reshape(wf * x[None, :], (BLOCK_N, BLOCK_K // 32, 32)), axis=2)
+    return acc + part * sw
+
+
+@triton.jit
+def _e4m3_pair_f32(t):
+    """Two e4m3 bytes at bits 0-7 and 16-23 of int32 ``t`` -> their values / 256 as fp32.
+
+    Each byte's bits are moved into an fp16 (sign to bit 15, exponent and mantissa to bits 7-13):
+    the fp16 then holds exactly ``value * 2^-8`` (the exponent biases differ by 8), subnormal
+    e4m3 included. Cheaper than the generic fp8 conversion (no byte permutes per element).
+    """
+    h = ((t << 7) & 0x3F803F80) | ((t << 8) & -0x7FFF8000)  # masks bits 7-13, 23-29 / 15, 31
+    lo = (h & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    hi = ((h >> 16) & 0xFFFF).to(tl.int16).to(tl.float16, bitcast=True).to(tl.float32)
+    return lo, hi
+
+
+@triton.jit
+def _gemv_words_row(acc, w0, w1, w2, w3, sw, x_row, kt, FUSE_QUANT: tl.constexpr, BLOCK_N: tl.constexpr,
+                    BLOCK_K: tl.constexpr):
+    """:func:`_gemv_row` on weights given as fp32 [BN, BK/4] per byte position ``j`` of each
+    int32 word (K index ``4*i + j``), scaled by 2^-8 (undone here, before the scale)."""
+    if FUSE_QUANT:
+        x = tl.load(x_row + kt * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.float32)
+        deq, _r, _c = _mx_fake_quant(tl.reshape(x, (1, BLOCK_K // 32, 32)), 2)
+        even, odd = tl.split(tl.reshape(deq, (BLOCK_K // 4, 2, 2)))  # K index 4i+2a / 4i+2a+1
+        x0, x2 = tl.split(even)
+        x1, x3 = tl.split(odd)
+    else:
+        offs = kt * BLOCK_K + 4 * tl.arange(0, BLOCK_K // 4)
+        x0 = tl.load(x_row + offs).to(tl.float32)
+        x1 = tl.load(x_row + offs + 1).to(tl.float32)
+        x2 = tl.load(x_row + offs + 2).to(tl.float32)
+        x3 = tl.load(x_row + offs + 3).to(tl.float32)
+    prod = w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :]
+    part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 8)), axis=2)
+    return acc + (part * 256.0) * sw
+
+
+@triton.jit
+def _gemv_epilogue(acc, m, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_om, stride_os,
+                   HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
+    """Store output row ``m`` (or its split-K partial); rows past M are never stored."""
+    res = tl.sum(acc, axis=1)
+    mask = (offs_n < N) & (offs_n * 0 + m < M)
+    if PARTIAL:
+        tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * stride_os + m * N + offs_n, res, mask=mask)
+    else:
+        if HAS_BIAS:
+            res += tl.load(b_ptr + rows_n).to(tl.float32)
+        tl.store(out_ptr + m * stride_om + offs_n, res.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@triton.jit(do_not_specialize=["M", "split_k"])
+def _mxfp8_gemv_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_wn, stride_om, stride_os, scale_c, scale_cp4, split_k,
+    LAYOUT: tl.constexpr, FUSE_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    PARTIAL: tl.constexpr, SERIAL: tl.constexpr, WORDS: tl.constexpr,
+):
+    """out[M, N] (or split-K fp32 partials) for M <= BLOCK_M <= 4 on CUDA cores.
+
+    WORDS: ``w_ptr`` is the weight as int32 words, whose bytes are converted by integer ops
+    (:func:`_e4m3_pair_f32`); otherwise e4m3 tensors converted by Triton's generic cast.
+
+    Program (pid_n, pid_k) streams BLOCK_N weight rows over a K range, 16 bytes per thread per
+    load, with the next K-tile's weight and scale loads issued before the current one is used
+    (a register double buffer: Triton's pipeliner stages only loads that feed a dot). Per
+    32-block: the exact e4m3 x MXFP8 products are summed in fp32, then multiplied by the weight's
+    power-of-two scale; one [BN, BK/32] accumulator per activation row, reduced at the end.
+    """
+    pid_n = tl.program_id(0)
+    k_tiles = K // BLOCK_K
+    per_split = tl.cdiv(k_tiles, split_k)
+    kt0 = tl.program_id(1) * per_split
+    kt1 = tl.minimum(kt0 + per_split, k_tiles)
+
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    rows = tl.minimum(offs_n, N - 1)  # clamp the tail: loads stay in bounds, stores are masked
+    rows_n = rows
+    if LAYOUT == 1:  # trtllm: logical row l lives at physical row 32*(l//32) + 8*(l%4) + (l%32)//4
+        rows = (rows // 32) * 32 + 8 * (rows % 4) + (rows % 32) // 4
+    BKW: tl.constexpr = BLOCK_K // 4 if WORDS else BLOCK_K  # loaded elements per row and K-tile
+    w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BKW)[None, :]
+    s_base = s_ptr + _scale_row_base(rows, scale_c, scale_cp4, LAYOUT)[:, None]
+    x0 = x_ptr
+    x1 = x_ptr + tl.minimum(1, M - 1) * stride_xm  # rows past M repeat row M-1, never stored
+    x2 = x_ptr + tl.minimum(2, M - 1) * stride_xm
+    x3 = x_ptr + tl.minimum(3, M - 1) * stride_xm
+    NB: tl.constexpr = BLOCK_K // 32
+    acc0 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+    acc1 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+    acc2 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+    acc3 = tl.zeros((BLOCK_N, NB), dtype=tl.float32)
+
+    w_next = tl.load(w_ptrs + kt0 * BKW)
+    c_next = _load_codes(s_base, kt0, BLOCK_K, LAYOUT)
+    for kt in range(kt0, kt1):
+        w = w_next
+        c = c_next
+        kn = tl.minimum(kt + 1, kt1 - 1)  # the last iteration re-loads its own tile (unused)
+        w_next = tl.load(w_ptrs + kn * BKW)
+        c_next = _load_codes(s_base, kn, BLOCK_K, LAYOUT)
+        sw = _pow2_f32(c)
+        if WORDS:
+            b0, b2 = _e4m3_pair_f32(w)
+            b1, b3 = _e4m3_pair_f32(w >> 8)
+            acc0 = _gemv_words_row(acc0, b0, b1, b2, b3, sw, x0, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+            if BLOCK_M > 1:
+                acc1 = _gemv_words_row(acc1, b0, b1, b2, b3, sw, x1, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+            if BLOCK_M > 2:
+                acc2 = _gemv_words_row(acc2, b0, b1, b2, b3, sw, x2, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+                acc3 = _gemv_words_row(acc3, b0, b1, b2, b3, sw, x3, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+        else:
+            wf = w.to(tl.float32)
+            acc0 = _gemv_row(acc0, wf, sw, x0, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+            if BLOCK_M > 1:
+                acc1 = _gemv_row(acc1, wf, sw, x1, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+            if BLOCK_M > 2:
+                acc2 = _gemv_row(acc2, wf, sw, x2, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+                acc3 = _gemv_row(acc3, wf, sw, x3, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+
+    _gemv_epilogue(acc0, 0, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_om, stride_os, HAS_BIAS, PARTIAL)
+    if BLOCK_M > 1:
+        _gemv_epilogue(acc1, 1, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_om, stride_os, HAS_BIAS, PARTIAL)
+    if BLOCK_M > 2:
+        _gemv_epilogue(acc2, 2, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_om, stride_os, HAS_BIAS, PARTIAL)
+        _gemv_epilogue(acc3, 3, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_om, stride_os, HAS_BIAS, PARTIAL)
+    if SERIAL:  # the last split of these rows to arrive sums the partials: no second launch
+        tl.debug_barrier()  # every thread's partial is stored before the release below
+        arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
+        if arrived == split_k - 1:
+            for m in range(0, M):
+                total = tl.zeros((BLOCK_N,), dtype=tl.float32)
+                for s in range(0, split_k):
+                    total += tl.load(ws_ptr + s * stride_os + m * N + offs_n, mask=offs_n < N, other=0.0,
+                                     cache_modifier=".cg")
+                if HAS_BIAS:
+                    total += tl.load(b_ptr + rows_n).to(tl.float32)
+                tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+            tl.atomic_xchg(lock_ptr + pid_n, 0)  # re-arm for the next call
+
+
+# --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -455,6 +615,8 @@ class GemmConfig:
     w_in_regs: bool = True
     serial_reduce: bool = False  # split-K: the last CTA of a tile sums the partials (one launch)
     decode: bool = False  # M <= 16: the FP8-dot weight stream (_mxfp8_decode_kernel)
+    gemv: bool = False  # M <= 4: the CUDA-core weight stream (_mxfp8_gemv_kernel)
+    words: bool = True  # gemv: convert the weight bytes from int32 words with integer ops
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -520,6 +682,27 @@ def decode_config(m: int, n: int, k: int, device: torch.device, *, block_n: int 
     split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
     return GemmConfig(block_n, DECODE_BLOCK_M, bk, split_k=split, fuse_quant=fuse_quant, num_warps=num_warps,
                       num_stages=num_stages, serial_reduce=serial_reduce, decode=True)
+
+
+#: The GEMV kernel keeps one accumulator per activation row; it serves M <= GEMV_MAX_M.
+GEMV_MAX_M = 4
+
+
+def gemv_config(m: int, n: int, k: int, device: torch.device, *, block_n: int = 32, block_k: int = 256,
+                num_warps: int = 4, fuse_quant: bool = True, waves: float = 4.0,
+                serial_reduce: bool = True, words: bool = True) -> GemmConfig:
+    """Config of the GEMV kernel: BLOCK_N weight rows per program, split-K up to ~``waves`` x SMs
+    programs (each split keeps >= 1 K-tile; no empty splits)."""
+    if m > GEMV_MAX_M:
+        raise LayoutError(f"the GEMV kernel serves M <= {GEMV_MAX_M}, got M={m}")
+    sms = _num_sms(device)
+    bk = _fit_block_k(k, block_k)
+    tiles = triton.cdiv(n, block_n)
+    k_tiles = k // bk
+    split = max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
+    split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
+    return GemmConfig(block_n, triton.next_power_of_2(max(m, 1)), bk, split_k=split, fuse_quant=fuse_quant,
+                      num_warps=num_warps, num_stages=1, serial_reduce=serial_reduce, gemv=True, words=words)
 
 
 def use_decode(m: int, n: int, k: int, device: torch.device) -> bool:
@@ -703,6 +886,8 @@ def _launch(
         x = x.contiguous()
     if cfg.decode:
         return _launch_decode(x, weight, bias, out, cfg)
+    if cfg.gemv:
+        return _launch_gemv(x, weight, bias, out, cfg)
     a = x if cfg.fuse_quant else quantize_activations(x)["deq"]
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
@@ -771,6 +956,46 @@ def _launch_decode(
         LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant, FP8_DOT=x.device.type == "cuda",
         HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         PARTIAL=partial, SERIAL=serial, SCALE_TILE=_scale_tile(weight, cfg.block_k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial and not serial:
+        block = 1024
+        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
+            ws, bias_t, out, n, m * n, m * n, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+        )
+    return out
+
+
+def _launch_gemv(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+) -> torch.Tensor:
+    """The GEMV kernel (+ activation quantization unless fused, + reduce unless serial)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > cfg.block_m or cfg.block_m > GEMV_MAX_M:
+        raise LayoutError(f"the GEMV kernel serves M <= block_m <= {GEMV_MAX_M}, got M={m}, block_m={cfg.block_m}")
+    if cfg.block_k % 32 or k % cfg.block_k:
+        raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
+    a = x if cfg.fuse_quant else quantize_activations(x)["deq"]
+    c, cp4 = _scale_geometry(weight)
+    has_bias = bias is not None
+    bias_t = bias if has_bias else out
+    partial = cfg.split_k > 1
+    serial = partial and cfg.serial_reduce
+    tiles = triton.cdiv(n, cfg.block_n)
+    ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
+    lock = _tile_locks(x.device, tiles) if serial else ws
+    wdata = weight.data
+    if cfg.words:
+        if not wdata.is_contiguous() or wdata.data_ptr() % 4:
+            raise LayoutError(f"{weight.name or 'weight'}: the GEMV kernel needs contiguous, 4-byte aligned weight bytes")
+        wdata = wdata.view(torch.int32)
+    _mxfp8_gemv_kernel[(tiles, cfg.split_k)](
+        a, wdata, _scale_operand(weight), bias_t, out, ws, lock,
+        m, n, k, a.stride(0), wdata.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
+        LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant, HAS_BIAS=has_bias,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PARTIAL=partial, SERIAL=serial,
+        WORDS=cfg.words,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial and not serial:

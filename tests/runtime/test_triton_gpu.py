@@ -120,6 +120,33 @@ def test_decode_configs_agree(layout, m):
             assert rel_err(out, ref) <= 1e-2, cfg
 
 
+@pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
+@pytest.mark.parametrize("m", [1, 2, 3, 4])
+def test_gemv_configs_agree(layout, m):
+    """The CUDA-core GEMV kernel's variants: int32-word and generic fp8 conversion, fused /
+    separate activation quantization, 32/64-row tiles, 256/512-wide K-tiles, N tail (576),
+    serial and two-kernel split-K, bias; each run twice so the arrival counters must re-arm."""
+    tri = _triton()
+    n, k = 576, 7168
+    w, q, code = random_weight(n, k, layout, seed=11 + m)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
+    dev = torch.device("cuda")
+    variants = [  # (block_n, block_k, warps, fused quantization, waves, serial, words)
+        (32, 256, 4, True, 4, True, True), (32, 256, 4, False, 4, True, True), (64, 256, 4, True, 8, True, True),
+        (32, 512, 4, True, 0.01, True, True), (32, 256, 4, True, 4, False, True), (32, 256, 4, True, 4, True, False),
+    ]
+    for bn, bk, warps, fuse, waves, serial, words in variants:
+        cfg = tri.gemv_config(m, n, k, dev, block_n=bn, block_k=bk, num_warps=warps, fuse_quant=fuse,
+                              waves=waves, serial_reduce=serial, words=words)
+        for _ in range(2):
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            tri.triton_linear(x, w, bias, out=out, config=cfg)
+            assert not out.isnan().any(), cfg
+            assert rel_err(out, ref) <= 1e-2, cfg
+
+
 def test_decode_is_the_rule_where_measured_faster():
     tri = _triton()
     if torch.cuda.get_device_capability() < (8, 9):

@@ -93,6 +93,40 @@ def test_decode_matches_reference(layout, m, n, k):
 
 
 @interp
+@pytest.mark.parametrize("layout", ["trtllm", "cutlass", "canonical"])
+@pytest.mark.parametrize("m,n,k", [(1, 576, 512), (3, 224, 1024), (4, 160, 256), (2, 128, 768)])
+def test_gemv_matches_reference(layout, m, n, k):
+    """The CUDA-core GEMV kernel (M <= 4): row gather, 128x4 scale words, N tail, int32-word and
+    generic e4m3 conversion (all 256 byte values occur: subnormals, both signs), fused and
+    separate activation quantization, serial / two-kernel split-K, bias."""
+    from mxfp8_convert.runtime.triton_mxfp8 import GemmConfig, gemv_config, triton_linear
+
+    w, q, code, x = _case(layout, m, n, k, seed=m)
+    qb = q.view(torch.uint8)
+    qb[:2].view(-1)[:256] = torch.arange(256, dtype=torch.uint8).masked_fill_(  # every e4m3 byte
+        (torch.arange(256) & 0x7F) == 0x7F, 0)  # but the NaNs
+    w = MXFP8Weight.from_canonical(q, code, layout)
+    x = x * torch.logspace(-4, 4, k).bfloat16()  # 32-blocks with very different scales
+    bias = torch.randn(n)
+    ref = reference_linear(x, q, code, bias)
+    configs = [
+        GemmConfig(32, 4, 256, split_k=1, fuse_quant=True, gemv=True),
+        GemmConfig(64, 4, 128, split_k=3, fuse_quant=False, serial_reduce=True, gemv=True),
+        GemmConfig(32, 4, 256, split_k=2, fuse_quant=False, serial_reduce=False, gemv=True, words=False),
+        GemmConfig(16, 4, 512, split_k=2, fuse_quant=True, serial_reduce=True, gemv=True),
+        gemv_config(m, n, k, torch.device("cpu")),
+    ]
+    for cfg in configs:
+        if k % cfg.block_k:
+            continue
+        for _ in range(2):  # again: the arrival counters must have re-armed
+            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
+            triton_linear(x, w, bias, out=out, config=cfg)
+            assert not out.isnan().any(), cfg
+            _close(out, ref)
+
+
+@interp
 def test_engine_entry_point():
     w, q, code, x = _case("trtllm", 3, 256, 256)
     out = mxfp8_linear(x.reshape(1, 3, 256), w, engine="triton")
