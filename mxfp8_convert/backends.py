@@ -9,19 +9,24 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from mxfp8_convert.layouts import (
     p32_shuffle_rows,
     p32_unshuffle_rows,
     swizzle_128x4,
+    swizzle_128x4_array,
     swizzled_128x4_shape,
     trtllm_scale_from_canonical,
+    trtllm_scale_from_canonical_array,
     trtllm_scale_shape,
     trtllm_scale_to_canonical,
     unswizzle_128x4,
 )
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
 
 #: FlashInfer release whose kernel layouts the output follows (recorded in every output).
 FLASHINFER_LAYOUT_VERSION = "0.7.2.post1"
@@ -32,6 +37,10 @@ EPILOGUE_TILE_M = 128
 
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
+    return x
+
+
+def _identity_array(x: np.ndarray) -> np.ndarray:
     return x
 
 
@@ -52,6 +61,8 @@ class BackendSpec:
     scale_forward: Callable[[torch.Tensor], torch.Tensor]  # [N, C] -> [Nt, Ct, 512]
     scale_inverse: Callable[[torch.Tensor, int, int], torch.Tensor]
     scale_shape: Callable[[int, int], tuple[int, int, int]]
+    #: ``scale_forward`` of a numpy uint8 [N, C] array (same bytes; the converter's torch-free path)
+    scale_forward_array: Callable[[np.ndarray], np.ndarray]
 
     @property
     def laid_out(self) -> bool:
@@ -103,6 +114,7 @@ BACKENDS: dict[str, BackendSpec] = {
         scale_forward=trtllm_scale_from_canonical,
         scale_inverse=trtllm_scale_to_canonical,
         scale_shape=trtllm_scale_shape,
+        scale_forward_array=trtllm_scale_from_canonical_array,
     ),
     "cutlass": BackendSpec(
         name="cutlass",
@@ -118,6 +130,7 @@ BACKENDS: dict[str, BackendSpec] = {
         scale_forward=swizzle_128x4,
         scale_inverse=unswizzle_128x4,
         scale_shape=swizzled_128x4_shape,
+        scale_forward_array=swizzle_128x4_array,
     ),
     # Not a kernel: plain SGLang/Miles MXFP8 (uint8 weight_scale_inv [N, K/32]), the way back.
     "canonical": BackendSpec(
@@ -134,6 +147,7 @@ BACKENDS: dict[str, BackendSpec] = {
         scale_forward=_identity,
         scale_inverse=lambda s, rows, cols: s.reshape(rows, cols),
         scale_shape=lambda rows, cols: (rows, cols),
+        scale_forward_array=_identity_array,
     ),
 }
 

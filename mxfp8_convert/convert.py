@@ -12,15 +12,16 @@ from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
+import numpy as np
 
 from mxfp8_convert import __version__
 from mxfp8_convert._buffers import BufferPool
+from mxfp8_convert._lazy import torch, torch_loaded
 from mxfp8_convert.backends import BACKENDS, FORMAT_VERSION, BackendSpec, get_backend
 from mxfp8_convert.dtypes import torch_dtype
 from mxfp8_convert.errors import ConvertError, LayoutError, OutputError
 from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD, detect, get_format
-from mxfp8_convert.layouts import p32_row_indices
+from mxfp8_convert.layouts import p32_row_order
 from mxfp8_convert.plan import (
     COMPLETE_MARKER,
     ConversionPlan,
@@ -60,8 +61,8 @@ from mxfp8_convert.write import (
 
 CHUNK_BYTES = 32 << 20
 E4M3_NAN_BYTES = bytes([0x7F, 0xFF])
-#: P32 rows at least this long are shuffled by in-kernel row copies (copy_file_range) rather than
-#: in memory and written: measured 2-6x faster on ext4 for 8-32 KiB rows (BENCHMARKS.md)
+#: P32 rows at least this long are written straight from the source mapping by vectored writes
+#: (ShardWriter.copy_rows) rather than shuffled in memory and written (BENCHMARKS.md)
 ROW_COPY_MIN_BYTES = 8192
 #: chunks queued for the writer thread while the next one is read and laid out
 PIPELINE_DEPTH = 2
@@ -216,6 +217,8 @@ def convert(
     executor = _Executor(ckpt, plan, get_backend(backend), staging, progress or (lambda e: None), hub_repo_id)
     try:
         n_workers = _workers(plan, workers, max_memory)
+        if _computes(plan):
+            import torch  # noqa: F401 - now, so that _compute_threads can set its threads
         with _compute_threads(n_workers):
             files = executor.write_shards(shards, workers=n_workers)
         if part is not None:
@@ -249,8 +252,12 @@ def _compute_threads(workers: int) -> Iterator[None]:
     torch's OpenMP pool waits for all of its threads at the end of every parallel op; a writer
     thread busy hashing and writing keeps one of them off its core, so on small machines every
     op stalls (2 cores: the MXFP8 and dense conversions ran 1.5x and 3x slower, a fused MoE 4x).
-    The setting is process-wide, restored on return.
+    The setting is process-wide, restored on return. Conversions that only move bytes never
+    import torch, and leave it alone.
     """
+    if not torch_loaded():
+        yield
+        return
     before = torch.get_num_threads()
     cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
     torch.set_num_threads(max(1, min(before, cores - workers)))
@@ -258,6 +265,15 @@ def _compute_threads(workers: int) -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(before)
+
+
+def _computes(plan: ConversionPlan) -> bool:
+    """Whether converting ``plan`` computes on tensors (torch), rather than only moving bytes:
+    computed modules, fused MoE layers, and P32 rows too narrow for row copies."""
+    if plan.moe or any(_computed(m) for m in plan.modules):
+        return True
+    return any(t.role == "weight" and t.layout == "p32_rows" and t.shape[1] < ROW_COPY_MIN_BYTES
+               for s in plan.shards for t in s.tensors)
 
 
 #: memory one worker needs beyond its largest in-memory module: its buffer pool and queue
@@ -464,7 +480,7 @@ class _Executor:
         """Unchanged bytes: copied in the kernel (copy_file_range), as cp does."""
         reader = self.reader(info)
         for begin, n in chunk_ranges(info, granule=1, chunk_bytes=CHUNK_BYTES):
-            src = reader.view(begin, n)
+            src = reader.bytes(begin, n)
             if check_nan:
                 self._check_nan(reader, info, begin, n)
             writer.copy(reader.fd, begin, src, lambda _, b=begin, k=n: reader.drop(b, k))
@@ -473,11 +489,11 @@ class _Executor:
     def _stream_mxfp8(self, t: TensorPlan, m: ModulePlan, writer: ShardWriter) -> Iterator[int]:
         """Canonical MXFP8 source: the weight streams chunk by chunk, never whole in memory."""
         info = self.ckpt.tensors[t.source]
-        if t.role == "weight_scale":
-            s = self.source(info)
+        if t.role == "weight_scale":  # numpy: moving MXFP8 bytes never imports torch
+            s = np.frombuffer(self.reader(info).bytes(info.begin, info.nbytes), dtype=np.uint8).reshape(info.shape)
             check_scale_codes(s, info.name)
             laid = layout_scale(t, self.backend, s)
-            if laid.data_ptr() == s.data_ptr():  # kept canonical: same bytes
+            if laid is s:  # kept canonical: same bytes
                 yield from self._copy(info, writer, check_nan=False)
                 return
             writer.write(laid.reshape(-1))
@@ -490,13 +506,12 @@ class _Executor:
         reader = self.reader(info)
         row_bytes = t.shape[1]
         for begin, n in chunk_ranges(info, granule=granule, chunk_bytes=CHUNK_BYTES):
-            src = reader.view(begin, n)
             self._check_nan(reader, info, begin, n)
             if t.layout == "p32_rows" and row_bytes >= ROW_COPY_MIN_BYTES:
-                order = p32_row_indices(n // row_bytes).tolist()  # output row p <- source row order[p]
-                writer.copy_rows(reader.fd, begin, row_bytes, order, src, lambda _, b=begin, k=n: reader.drop(b, k))
+                order = p32_row_order(n // row_bytes)  # output row p <- source row order[p]
+                writer.copy_rows(row_bytes, order, reader.bytes(begin, n), lambda _, b=begin, k=n: reader.drop(b, k))
             else:
-                laid = layout_weight_chunk(t, self.backend, src, self.pool.get(n))
+                laid = layout_weight_chunk(t, self.backend, reader.view(begin, n), self.pool.get(n))
                 reader.drop(begin, n)
                 writer.write(laid, self.pool.release)
             yield n

@@ -33,7 +33,6 @@ from mxfp8_convert.layouts.moe import (
     moe_fc2_weight_shape,
     moe_shape_violations,
 )
-from mxfp8_convert.quantize import fp8_scales_are_pow2
 from mxfp8_convert.read import SourceCheckpoint, TensorInfo, read_tensor
 
 #: output scale tensor suffix of a laid-out module (docs/FORMAT.md section 3)
@@ -356,6 +355,8 @@ def _check_fp8_pair(ckpt: SourceCheckpoint, fmt: FormatSpec, w: TensorInfo, s: T
     elif math.prod(s.shape) not in (1, n) or len(s.shape) > 2:
         raise LayoutError(f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; per-tensor or per-channel "
                           f"scales of weight {w.name!r} [{n}, {k}] are [], [1], [{n}] or [{n}, 1]")
+    from mxfp8_convert.quantize import fp8_scales_are_pow2  # torch: only for FP8 sources
+
     return n, k, fp8_scales_are_pow2(read_tensor(ckpt.root, s), name=s.name)
 
 

@@ -173,7 +173,7 @@ def _kept_canonical(output_dir: Path) -> list[str]:
 
     kept = []
     for shard in sorted(output_dir.glob("*.safetensors")):
-        with safe_open(str(shard), "pt") as f:
+        with safe_open(str(shard), "np") as f:  # metadata only; "pt" would import torch
             records = json.loads((f.metadata() or {}).get("mxfp8_convert.tensors", "{}"))
         kept += [n[: -len(".weight")] for n, r in records.items()
                  if r.get("role") == "weight" and r.get("layout") == "canonical"]

@@ -19,9 +19,8 @@ from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
-import torch
-
-from mxfp8_convert.dtypes import ST_DTYPES
+from mxfp8_convert._lazy import torch
+from mxfp8_convert.dtypes import ST_DTYPES, torch_dtype
 from mxfp8_convert.errors import SourceError
 
 INDEX_NAME = "model.safetensors.index.json"
@@ -465,6 +464,12 @@ class ShardReader:
             warnings.simplefilter("ignore", UserWarning)  # "buffer is not writable": we never write
             return torch.frombuffer(self._mm, dtype=torch.uint8, count=n, offset=begin)
 
+    def bytes(self, begin: int, n: int) -> memoryview:
+        """Read-only memoryview of bytes ``[begin, begin + n)``, without torch."""
+        if n == 0:
+            return memoryview(b"")
+        return memoryview(self._mm)[begin:begin + n]
+
     def find_byte(self, begin: int, n: int, values: bytes) -> int:
         """Offset of the first byte in ``[begin, begin + n)`` equal to one of ``values``, or -1.
 
@@ -502,7 +507,7 @@ def read_tensor(ckpt_root: Path, info: TensorInfo) -> torch.Tensor:
         f.seek(info.begin)
         if f.readinto(memoryview(buf.numpy()).cast("B")) != info.nbytes:
             raise SourceError(f"{info.file}: file ended inside tensor {info.name!r} (truncated?)")
-    return buf.view(ST_DTYPES[info.dtype][0]).reshape(info.shape)
+    return buf.view(torch_dtype(info.dtype)).reshape(info.shape)
 
 
 def chunk_ranges(info: TensorInfo, *, granule: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:

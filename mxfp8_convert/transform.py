@@ -7,8 +7,11 @@ not the tensor. Scales are ~1/32 of the weight and are laid out whole.
 
 from __future__ import annotations
 
-import torch
+from typing import TYPE_CHECKING
 
+import numpy as np
+
+from mxfp8_convert._lazy import torch
 from mxfp8_convert.backends import BackendSpec
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts.moe import (
@@ -23,13 +26,9 @@ from mxfp8_convert.layouts.moe import (
 )
 from mxfp8_convert.layouts.rows import P32_BLOCK
 from mxfp8_convert.plan import ModulePlan, TensorPlan
-from mxfp8_convert.quantize import (
-    QuantError,
-    block_fp8_to_mxfp8,
-    per_tensor_fp8_to_mxfp8,
-    quantization_error,
-    quantize_mxfp8,
-)
+
+if TYPE_CHECKING:
+    from mxfp8_convert.quantize import QuantError
 
 
 def weight_granule(t: TensorPlan) -> int:
@@ -55,14 +54,21 @@ def layout_weight_chunk(t: TensorPlan, backend: BackendSpec, chunk: torch.Tensor
     return out
 
 
-def layout_scale(t: TensorPlan, backend: BackendSpec, s: torch.Tensor) -> torch.Tensor:
-    """Canonical uint8 ``[N, C]`` scale -> the bytes of ``t`` (tiles, or unchanged if canonical)."""
-    s = s if s.dtype == torch.uint8 else s.view(torch.uint8)
+def layout_scale(t: TensorPlan, backend: BackendSpec, s: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+    """Canonical uint8 ``[N, C]`` scale -> the bytes of ``t`` (tiles, or unchanged if canonical).
+
+    A numpy uint8 array is laid out with numpy (no torch), into a numpy array of the same bytes.
+    """
+    if isinstance(s, np.ndarray):
+        forward = backend.scale_forward_array
+    else:
+        s = s if s.dtype == torch.uint8 else s.view(torch.uint8)
+        forward = backend.scale_forward
     if tuple(s.shape) != tuple(t.logical_shape):
         raise LayoutError(f"scale {t.source!r}: shape {list(s.shape)} != planned {list(t.logical_shape)}")
     if t.layout == "canonical":
         return s
-    out = backend.scale_forward(s)
+    out = forward(s)
     if tuple(out.shape) != tuple(t.shape):
         raise LayoutError(f"scale {t.name!r}: laid out to {list(out.shape)}, planned {list(t.shape)} (bug)")
     return out
@@ -81,6 +87,13 @@ def canonical_module(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor | 
     Raises:
         LayoutError: NaN/Inf in the source, a scale byte of 255, bad shapes (naming the tensor).
     """
+    from mxfp8_convert.quantize import (  # torch at import: only computed modules need it
+        block_fp8_to_mxfp8,
+        per_tensor_fp8_to_mxfp8,
+        quantization_error,
+        quantize_mxfp8,
+    )
+
     name = m.weight.name
     if m.fused is not None:
         return (*expert_from_fused(m, weight, scale), None)
@@ -152,8 +165,17 @@ def expert_from_fused(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor) 
     return w, s
 
 
-def check_scale_codes(s: torch.Tensor, name: str) -> None:
-    """UE8M0 byte 255 is NaN: refuse it, naming the tensor and the first position."""
+def check_scale_codes(s: torch.Tensor | np.ndarray, name: str) -> None:
+    """UE8M0 byte 255 is NaN: refuse it, naming the tensor and the first position.
+
+    ``s`` may be a tensor or a numpy uint8 array (the converter's torch-free path).
+    """
+    if isinstance(s, np.ndarray):
+        bad = s == 255
+        if bad.any():
+            idx = [int(i) for i in np.unravel_index(int(bad.argmax()), s.shape)]
+            raise LayoutError(f"scale {name!r} holds NaN (UE8M0 byte 255) at {idx}")
+        return
     bad = s.view(torch.uint8) == 255
     if bool(bad.any()):
         idx = [int(i) for i in bad.nonzero()[0]]

@@ -150,20 +150,26 @@ def test_default_output_is_beside_the_model(sources):
     assert default_output(str(src), "trtllm") == src.resolve().parent / f"{src.name}-trtllm"
 
 
-@pytest.mark.parametrize("kernel_copy", [True, False], ids=["copy_file_range", "fallback-write"])
-def test_wide_rows_are_shuffled_by_kernel_row_copies(tmp_path, monkeypatch, kernel_copy):
-    """Rows of >= 8 KiB are P32-shuffled with one copy_file_range per row; where the kernel
-    cannot copy (EXDEV, ...), plain writes give the same bytes."""
-    import errno
+@pytest.mark.parametrize("short", [False, True], ids=["whole-writes", "short-writes"])
+def test_wide_rows_are_shuffled_by_vectored_writes(tmp_path, monkeypatch, short):
+    """Rows of >= 8 KiB are P32-shuffled by writev() straight from the source mapping, the file
+    hashed on its own thread; a writev() that writes only part (allowed by POSIX) is completed
+    with plain writes, giving the same bytes and hash."""
     import os
 
     from mxfp8_convert.convert import ROW_COPY_MIN_BYTES
     from mxfp8_convert.layouts import p32_shuffle_rows
 
-    if not kernel_copy:
-        def refuse(*a, **k):
-            raise OSError(errno.EXDEV, "cross-device")
-        monkeypatch.setattr(os, "copy_file_range", refuse)
+    real_writev, calls = os.writev, []
+
+    def writev(fd, buffers):
+        calls.append(len(buffers))
+        if short:  # the first buffer and a half, at most
+            first = memoryview(buffers[0])
+            return real_writev(fd, [first, memoryview(buffers[1])[:len(buffers[1]) // 2]] if len(buffers) > 1 else [first[:-1]])
+        return real_writev(fd, buffers)
+
+    monkeypatch.setattr(os, "writev", writev)
     module = "model.layers.0.mlp.wide_proj"
     spec = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256,
                      extra_modules=((module, 160, ROW_COPY_MIN_BYTES),))
@@ -175,3 +181,65 @@ def test_wide_rows_are_shuffled_by_kernel_row_copies(tmp_path, monkeypatch, kern
     done = json.loads((tmp_path / "out" / COMPLETE_MARKER).read_text())
     shard = next(f for f in done["files"] if f.endswith(".safetensors") and f"{module}.weight" in load_all_shard(tmp_path / "out" / f))
     assert done["files"][shard]["xxh3_128"] == xxh(tmp_path / "out" / shard)
+    assert calls and max(calls) > 1  # rows went out several per call
+
+
+def _wide_mxfp8(root):
+    """An SGLang MXFP8 model whose one linear has 8 KiB rows (row copies, no in-memory shuffle)."""
+    from safetensors.torch import save_file
+
+    root.mkdir()
+    g = torch.Generator().manual_seed(0)
+    save_file({
+        "model.layers.0.mlp.down_proj.weight":
+            torch.randint(0, 126, (128, 8192), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn),
+        "model.layers.0.mlp.down_proj.weight_scale_inv": torch.randint(110, 130, (128, 256), dtype=torch.uint8, generator=g),
+        "model.norm.weight": torch.ones(64, dtype=torch.bfloat16),
+    }, str(root / "model.safetensors"), metadata={"format": "pt"})
+    (root / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
+        "quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
+        "activation_scheme": "dynamic"}}))
+    return root
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
+def test_mxfp8_conversion_never_imports_torch(tmp_path, backend):
+    """Laying MXFP8 out only moves bytes: torch (seconds to import) stays unloaded, and the
+    output equals the torch layouts'."""
+    import subprocess
+    import sys
+
+    from mxfp8_convert.backends import BACKENDS
+
+    src = _wide_mxfp8(tmp_path / "src")
+    code = ("import sys; from mxfp8_convert import convert; import mxfp8_convert.cli; "
+            f"convert({str(src)!r}, {backend!r}, {str(tmp_path / 'out')!r}); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    got, _ = load_all(tmp_path / "out")
+    want, _ = load_all(src)
+    spec = BACKENDS[backend]
+    w, s = "model.layers.0.mlp.down_proj.weight", "model.layers.0.mlp.down_proj.weight_scale_inv"
+    assert torch.equal(got[w].view(torch.uint8), spec.weight_forward(want[w].view(torch.uint8)))
+    laid = got["model.layers.0.mlp.down_proj.weight_scale_swizzled"].view(torch.uint8)
+    assert torch.equal(laid.flatten(), spec.scale_forward(want[s].view(torch.uint8)).flatten())
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
+def test_unchanged_bytes_are_written_when_the_kernel_cannot_copy(tmp_path, monkeypatch, backend):
+    """copy_file_range refused (EXDEV, ...): the same bytes and hash through plain writes."""
+    import errno
+    import os
+
+    src = _wide_mxfp8(tmp_path / "src")
+    convert(src, backend, tmp_path / "kernel")
+
+    def refuse(*a, **k):
+        raise OSError(errno.EXDEV, "cross-device")
+
+    monkeypatch.setattr(os, "copy_file_range", refuse)
+    convert(src, backend, tmp_path / "plain")
+    a = json.loads((tmp_path / "kernel" / COMPLETE_MARKER).read_text())["files"]
+    b = json.loads((tmp_path / "plain" / COMPLETE_MARKER).read_text())["files"]
+    assert a == b
+    assert a["model.safetensors"]["xxh3_128"] == xxh(tmp_path / "plain" / "model.safetensors")

@@ -8,12 +8,14 @@ Source of truth: ../shared/SPEC.md section 2, checked against FlashInfer 0.7.2.p
 from mxfp8_convert.layouts.rows import (
     P32_BLOCK,
     p32_row_indices,
+    p32_row_order,
     p32_shuffle_rows,
     p32_unshuffle_rows,
 )
 from mxfp8_convert.layouts.swizzle import (
     swizzle_8x4,
     swizzle_128x4,
+    swizzle_128x4_array,
     swizzled_8x4_shape,
     swizzled_128x4_shape,
     unswizzle_8x4,
@@ -21,6 +23,7 @@ from mxfp8_convert.layouts.swizzle import (
 )
 from mxfp8_convert.layouts.trtllm import (
     trtllm_scale_from_canonical,
+    trtllm_scale_from_canonical_array,
     trtllm_scale_shape,
     trtllm_scale_to_canonical,
 )
@@ -28,15 +31,18 @@ from mxfp8_convert.layouts.trtllm import (
 __all__ = [
     "P32_BLOCK",
     "p32_row_indices",
+    "p32_row_order",
     "p32_shuffle_rows",
     "p32_unshuffle_rows",
     "swizzle_128x4",
+    "swizzle_128x4_array",
     "unswizzle_128x4",
     "swizzled_128x4_shape",
     "swizzle_8x4",
     "unswizzle_8x4",
     "swizzled_8x4_shape",
     "trtllm_scale_from_canonical",
+    "trtllm_scale_from_canonical_array",
     "trtllm_scale_to_canonical",
     "trtllm_scale_shape",
 ]

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import torch
-
+from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 
 

@@ -47,8 +47,7 @@ layout, not a detail of this one.
 
 from __future__ import annotations
 
-import torch
-
+from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts._common import as_bytes
 from mxfp8_convert.layouts.rows import (

@@ -8,8 +8,7 @@ moves rows within 32-row blocks, so it commutes with slicing rows at multiples o
 
 from __future__ import annotations
 
-import torch
-
+from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 
 P32_BLOCK = 32
@@ -46,6 +45,13 @@ def p32_unshuffle_rows(x: torch.Tensor) -> torch.Tensor:
     n = _check_rows(x)
     rest = x.shape[1:]
     return x.reshape(n // 32, 4, 8, -1).transpose(1, 2).reshape(n, *rest).contiguous()
+
+
+def p32_row_order(n: int) -> list[int]:
+    """``p32_row_indices(n)`` as a list of ints, computed without torch (for row copies)."""
+    if n % P32_BLOCK:
+        raise LayoutError(f"P32 row shuffle needs rows % 32 == 0, got {n} rows")
+    return [32 * (p // 32) + 4 * (p % 8) + (p % 32) // 8 for p in range(n)]
 
 
 def p32_row_indices(n: int, device: torch.device | str | None = None) -> torch.Tensor:

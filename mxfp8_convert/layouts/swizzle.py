@@ -12,8 +12,9 @@ FlashInfer's flat buffer, and slicing the first two dims gives the swizzled byte
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
+from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts._common import as_bytes, ceil_to, pad_2d
 
@@ -63,6 +64,27 @@ def swizzle_128x4(s: torch.Tensor) -> torch.Tensor:
     nb = len(batch)
     perm = [*range(nb), nb, nb + 3, nb + 2, nb + 1]
     return words.permute(perm).contiguous().view(torch.uint8).reshape(*batch, rp // 128, cp // 4, TILE_BYTES)
+
+
+def swizzle_128x4_array(s: np.ndarray) -> np.ndarray:
+    """:func:`swizzle_128x4` of a numpy uint8 ``[R, C]`` array: the same bytes, without torch.
+
+    The converter lays out the scales of MXFP8 sources with it, so that moving their bytes
+    never imports torch (tests/layouts/test_swizzle.py checks it against the torch version).
+
+    Returns:
+        uint8 ``[ceil128(R)/128, ceil4(C)/4, 512]``, contiguous; padding bytes are 0.
+    """
+    if s.ndim != 2:
+        raise LayoutError(f"128x4 swizzle needs a [rows, cols] array, got shape {list(s.shape)}")
+    r, c = s.shape
+    rp, cp = ceil_to(r, TILE_ROWS), ceil_to(c, TILE_COLS)
+    if (r, c) != (rp, cp):
+        padded = np.zeros((rp, cp), dtype=np.uint8)
+        padded[:r, :c] = s
+        s = padded
+    words = np.ascontiguousarray(s, dtype=np.uint8).view(np.int32).reshape(rp // 128, 4, 32, cp // 4)
+    return words.transpose(0, 3, 2, 1).copy().view(np.uint8).reshape(rp // 128, cp // 4, TILE_BYTES)
 
 
 def unswizzle_128x4(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

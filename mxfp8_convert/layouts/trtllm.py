@@ -9,12 +9,18 @@ weight row ``p`` of the shuffled weight.
 
 from __future__ import annotations
 
-import torch
+import numpy as np
 
+from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts._common import as_bytes, ceil_to, pad_2d
 from mxfp8_convert.layouts.rows import p32_shuffle_rows, p32_unshuffle_rows
-from mxfp8_convert.layouts.swizzle import swizzle_128x4, swizzled_128x4_shape, unswizzle_128x4
+from mxfp8_convert.layouts.swizzle import (
+    swizzle_128x4,
+    swizzle_128x4_array,
+    swizzled_128x4_shape,
+    unswizzle_128x4,
+)
 
 
 def trtllm_scale_shape(rows: int, cols: int) -> tuple[int, int, int]:
@@ -46,6 +52,24 @@ def trtllm_scale_from_canonical(s: torch.Tensor) -> torch.Tensor:
     else:
         s = p32_shuffle_rows(s)
     return swizzle_128x4(s)
+
+
+def trtllm_scale_from_canonical_array(s: np.ndarray) -> np.ndarray:
+    """:func:`trtllm_scale_from_canonical` of a numpy uint8 ``[N, C]`` array, without torch.
+
+    Returns:
+        uint8 ``[ceil128(N)/128, ceil4(C)/4, 512]``, the same bytes as the torch version.
+    """
+    if s.ndim != 2:
+        raise LayoutError(f"trtllm weight scale needs an [N, C] array, got shape {list(s.shape)}")
+    n, c = s.shape
+    if n % 32:
+        raise LayoutError(f"trtllm weight scale needs N % 32 == 0 (P32 row shuffle), got N={n}")
+    rows = ceil_to(n, 128)
+    padded = np.zeros((rows, c), dtype=np.uint8)
+    padded[:n] = s
+    shuffled = padded.reshape(rows // 32, 8, 4, c).transpose(0, 2, 1, 3).reshape(rows, c)  # P32
+    return swizzle_128x4_array(shuffled)
 
 
 def trtllm_scale_to_canonical(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

@@ -145,3 +145,12 @@ def test_rejects_rows_not_multiple_of_32(n):
 def test_rejects_a_zero_dimensional_tensor():
     with pytest.raises(LayoutError, match="at least one dimension"):
         p32_shuffle_rows(torch.tensor(3, dtype=torch.uint8))
+
+
+@pytest.mark.parametrize("n", [0, 32, 96, 4096])
+def test_row_order_is_row_indices_without_torch(n):
+    from mxfp8_convert.layouts import p32_row_order
+
+    assert p32_row_order(n) == p32_row_indices(n).tolist()
+    with pytest.raises(LayoutError):
+        p32_row_order(n + 8)

@@ -408,3 +408,31 @@ def test_swizzle_equals_mxfp8_quantize_scales_on_cuda(flashinfer, name, m, k, sa
     same_bytes(inverse(swizzled, m, k // 32), linear, f"{name} unswizzle(mxfp8_quantize)")
     if m % row_pad == 0 and (k // 32) % 4 == 0:  # no padding, whose bytes the kernel may skip
         same_bytes(forward(linear).flatten(), swizzled, f"{name} vs mxfp8_quantize")
+
+
+# --- numpy twin (the converter's torch-free path) ----------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 300), cols=st.integers(1, 40), seed=st.integers(0, 2**31))
+def test_128x4_array_equals_torch_swizzle(rows, cols, seed):
+    import numpy as np
+
+    from mxfp8_convert.layouts import swizzle_128x4_array
+
+    s = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    got = swizzle_128x4_array(s.numpy())
+    assert got.dtype == np.uint8 and got.shape == swizzled_128x4_shape(rows, cols)
+    assert got.tobytes() == swizzle_128x4(s).numpy().tobytes()
+
+
+@pytest.mark.parametrize("rows, cols", NAMED)
+def test_128x4_array_of_unaligned_bytes_equals_torch(rows, cols):
+    """The converter hands in views of the source mapping at any offset (int32 words unaligned)."""
+    import numpy as np
+
+    from mxfp8_convert.layouts import swizzle_128x4_array
+
+    raw = np.random.default_rng(rows * cols).integers(0, 256, rows * cols + 1, dtype=np.uint8)
+    s = raw[1:].reshape(rows, cols)
+    assert swizzle_128x4_array(s).tobytes() == swizzle_128x4(torch.from_numpy(s.copy())).numpy().tobytes()

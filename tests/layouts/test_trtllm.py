@@ -268,3 +268,28 @@ def test_equals_shuffle_matrix_sf_a_on_cuda(
     want = flashinfer.shuffle_matrix_sf_a(padded, 128, num_elts_per_sf)
     same_bytes(trtllm_scale_from_canonical(s).flatten(), want.flatten(), "vs shuffle_matrix_sf_a")
     same_bytes(trtllm_scale_from_canonical(s.cuda()).flatten(), want.flatten(), "on CUDA")
+
+
+# --- numpy twin (the converter's torch-free path) ----------------------------------------------
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 12).map(lambda b: 32 * b), c=st.integers(1, 40), seed=st.integers(0, 2**31))
+def test_array_equals_torch_from_canonical(n, c, seed):
+    import numpy as np
+
+    from mxfp8_convert.layouts import trtllm_scale_from_canonical_array, trtllm_scale_shape
+
+    s = torch.randint(0, 256, (n, c), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    got = trtllm_scale_from_canonical_array(s.numpy())
+    assert got.dtype == np.uint8 and got.shape == trtllm_scale_shape(n, c)
+    assert got.tobytes() == trtllm_scale_from_canonical(s).numpy().tobytes()
+
+
+def test_array_refuses_rows_not_multiple_of_32():
+    import numpy as np
+
+    from mxfp8_convert.layouts import trtllm_scale_from_canonical_array
+
+    with pytest.raises(LayoutError, match="N % 32"):
+        trtllm_scale_from_canonical_array(np.zeros((48, 4), dtype=np.uint8))
