@@ -234,7 +234,7 @@ def tune(shapes, ms) -> list[dict]:
     return rows
 
 
-DECODE_MS = (1, 4, 16)
+DECODE_MS = (1, 2, 4, 16)
 
 
 def decode_variants(m: int, n: int, k: int, sweep: bool) -> dict:
@@ -253,21 +253,19 @@ def decode_variants(m: int, n: int, k: int, sweep: bool) -> dict:
         return out
     out["old"] = choose_config(m, n, k, dev, decode=False)
     d = lambda **kw: decode_config(m, n, k, dev, **kw)  # noqa: E731
-    out.update({  # decode-kernel alternatives (serial split-K reduction); 32-row tiles: mma.sync
-        "dec.b64.w2": d(waves=2),
-        "dec.b32.w4": d(block_n=32, waves=4),
-        "dec.b32.w4.fuse": d(block_n=32, waves=4, fuse_quant=True),
-        "dec.b64.nw2": d(block_n=64, num_warps=2, waves=4),
-    })
+    out["dec.b64.w2"] = d(waves=2)  # the decode kernel (FP8 wgmma per 32-block)
     if m <= GEMV_MAX_M:  # the CUDA-core GEMV kernel
         g = lambda **kw: gemv_config(m, n, k, dev, **kw)  # noqa: E731
         out.update({
-            "gemv.b32.w4": g(),
+            "gemv.b32": g(),
             "gemv.b32.w8": g(waves=8),
-            "gemv.b64.w4": g(block_n=64),
             "gemv.b32.bk512": g(block_k=512),
-            "gemv.b32.nofuse": g(fuse_quant=False),
+            "gemv.b32.perm": g(fuse_quant=False),
+            "gemv.b32.perm.w8": g(fuse_quant=False, waves=8),
+            "gemv.b16.perm": g(block_n=16, fuse_quant=False),
+            "gemv.b64.perm.nw8": g(block_n=64, num_warps=8, fuse_quant=False),
             "gemv.b32.cvt": g(words=False),
+            "gemv.b32.cvt.nofuse": g(words=False, fuse_quant=False),
         })
     return out
 

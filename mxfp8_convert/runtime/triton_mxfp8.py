@@ -114,7 +114,7 @@ def _mx_fake_quant(xf, AXIS: tl.constexpr):
 def _quantize_kernel(
     x_ptr, deq_ptr, q_ptr, code_ptr, M, K, stride_xm,
     WRITE_DEQ: tl.constexpr, WRITE_Q: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PERM_DEQ: tl.constexpr = False,
 ):
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -125,7 +125,11 @@ def _quantize_kernel(
     deq, r, code = _mx_fake_quant(xf, 2)
     if WRITE_DEQ:
         d = tl.reshape(deq, (BLOCK_M, BLOCK_K))
-        tl.store(deq_ptr + rows * K + offs_k[None, :], d.to(deq_ptr.dtype.element_ty), mask=mask)
+        if PERM_DEQ:  # [M, 4, K/4]: element k at (k % 4, k // 4), for the GEMV kernel's word loads
+            cols = (offs_k % 4) * (K // 4) + offs_k // 4
+        else:
+            cols = offs_k
+        tl.store(deq_ptr + rows * K + cols[None, :], d.to(deq_ptr.dtype.element_ty), mask=mask)
     if WRITE_Q:
         q = tl.reshape(_e4m3_byte(r), (BLOCK_M, BLOCK_K))
         tl.store(q_ptr + rows * K + offs_k[None, :], q, mask=mask)
@@ -493,6 +497,21 @@ def _gemv_words_row(acc, w0, w1, w2, w3, sw, x_row, kt, FUSE_QUANT: tl.constexpr
 
 
 @triton.jit
+def _gemv_perm_row(acc, w0, w1, w2, w3, sw, x_row, kq, kt, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """:func:`_gemv_words_row` with the activation row already quantized and permuted
+    (:func:`quantize_activations` ``permuted=True``): each ``x_j`` is loaded as a [BN, BK/4] tile
+    of the same shape and contiguity as the weight words (zero row stride), so it arrives in
+    the weights' register layout: no shared-memory layout conversion per K-tile."""
+    offs = (kt * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4))[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
+    prod = w0 * tl.load(x_row + offs)
+    prod += w1 * tl.load(x_row + kq + offs)
+    prod += w2 * tl.load(x_row + 2 * kq + offs)
+    prod += w3 * tl.load(x_row + 3 * kq + offs)
+    part = tl.sum(tl.reshape(prod, (BLOCK_N, BLOCK_K // 32, 8)), axis=2)
+    return acc + (part * 256.0) * sw
+
+
+@triton.jit
 def _gemv_epilogue(acc, m, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_om, stride_os,
                    HAS_BIAS: tl.constexpr, PARTIAL: tl.constexpr):
     """Store output row ``m`` (or its split-K partial); rows past M are never stored."""
@@ -512,7 +531,7 @@ def _mxfp8_gemv_kernel(
     M, N, K, stride_xm, stride_wn, stride_om, stride_os, scale_c, scale_cp4, split_k,
     LAYOUT: tl.constexpr, FUSE_QUANT: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
-    PARTIAL: tl.constexpr, SERIAL: tl.constexpr, WORDS: tl.constexpr,
+    PARTIAL: tl.constexpr, SERIAL: tl.constexpr, WORDS: tl.constexpr, X_PERM: tl.constexpr,
 ):
     """out[M, N] (or split-K fp32 partials) for M <= BLOCK_M <= 4 on CUDA cores.
 
@@ -561,12 +580,20 @@ def _mxfp8_gemv_kernel(
         if WORDS:
             b0, b2 = _e4m3_pair_f32(w)
             b1, b3 = _e4m3_pair_f32(w >> 8)
-            acc0 = _gemv_words_row(acc0, b0, b1, b2, b3, sw, x0, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
-            if BLOCK_M > 1:
-                acc1 = _gemv_words_row(acc1, b0, b1, b2, b3, sw, x1, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
-            if BLOCK_M > 2:
-                acc2 = _gemv_words_row(acc2, b0, b1, b2, b3, sw, x2, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
-                acc3 = _gemv_words_row(acc3, b0, b1, b2, b3, sw, x3, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+            if X_PERM:
+                acc0 = _gemv_perm_row(acc0, b0, b1, b2, b3, sw, x0, K // 4, kt, BLOCK_N, BLOCK_K)
+                if BLOCK_M > 1:
+                    acc1 = _gemv_perm_row(acc1, b0, b1, b2, b3, sw, x1, K // 4, kt, BLOCK_N, BLOCK_K)
+                if BLOCK_M > 2:
+                    acc2 = _gemv_perm_row(acc2, b0, b1, b2, b3, sw, x2, K // 4, kt, BLOCK_N, BLOCK_K)
+                    acc3 = _gemv_perm_row(acc3, b0, b1, b2, b3, sw, x3, K // 4, kt, BLOCK_N, BLOCK_K)
+            else:
+                acc0 = _gemv_words_row(acc0, b0, b1, b2, b3, sw, x0, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+                if BLOCK_M > 1:
+                    acc1 = _gemv_words_row(acc1, b0, b1, b2, b3, sw, x1, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+                if BLOCK_M > 2:
+                    acc2 = _gemv_words_row(acc2, b0, b1, b2, b3, sw, x2, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
+                    acc3 = _gemv_words_row(acc3, b0, b1, b2, b3, sw, x3, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
         else:
             wf = w.to(tl.float32)
             acc0 = _gemv_row(acc0, wf, sw, x0, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
@@ -765,7 +792,7 @@ def _check_device(t: torch.Tensor) -> None:
 
 def quantize_activations(
     x: torch.Tensor, *, dequantized: bool = True, codes: bool = False, block_m: int = 32,
-    block_k: int = 128,
+    block_k: int = 128, permuted: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Quantize ``x [M, K]`` to MXFP8 (FlashInfer's recipe) with one Triton kernel.
 
@@ -776,6 +803,8 @@ def quantize_activations(
         codes: also return ``"q"`` (float8_e4m3fn ``[M, K]``) and ``"code"`` (uint8 ``[M, K/32]``,
             linear).
         block_m, block_k: tile of one program.
+        permuted: ``"deq"`` as float32 ``[M, 4, K/4]`` holding element ``k`` at ``(k % 4, k // 4)``
+            (the order in which the GEMV kernel reads weight bytes from int32 words).
 
     Returns:
         dict with the requested tensors.
@@ -785,16 +814,16 @@ def quantize_activations(
     if k % 32 or x.stride(1) != 1:
         raise LayoutError(f"activations must be [M, K] with K % 32 == 0 and unit K stride, got {list(x.shape)}")
     out: dict[str, torch.Tensor] = {}
-    deq_dtype = torch.float32 if x.device.type == "cpu" else torch.bfloat16
+    deq_dtype = torch.float32 if x.device.type == "cpu" or permuted else torch.bfloat16
     deq = torch.empty((m, k), dtype=deq_dtype, device=x.device) if dequantized else x
     q = torch.empty((m, k), dtype=torch.uint8, device=x.device) if codes else x
     code = torch.empty((m, k // 32), dtype=torch.uint8, device=x.device) if codes else x
     block_k = min(block_k, triton.next_power_of_2(k))
     grid = (triton.cdiv(m, block_m), triton.cdiv(k, block_k))
     _quantize_kernel[grid](x, deq, q, code, m, k, x.stride(0), WRITE_DEQ=dequantized,
-                           WRITE_Q=codes, BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4)
+                           WRITE_Q=codes, BLOCK_M=block_m, BLOCK_K=block_k, PERM_DEQ=permuted, num_warps=4)
     if dequantized:
-        out["deq"] = deq
+        out["deq"] = deq.view(m, 4, k // 4) if permuted else deq
     if codes:
         out["q"] = q.view(torch.float8_e4m3fn)
         out["code"] = code
@@ -976,7 +1005,8 @@ def _launch_gemv(
         raise LayoutError(f"the GEMV kernel serves M <= block_m <= {GEMV_MAX_M}, got M={m}, block_m={cfg.block_m}")
     if cfg.block_k % 32 or k % cfg.block_k:
         raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
-    a = x if cfg.fuse_quant else quantize_activations(x)["deq"]
+    x_perm = cfg.words and not cfg.fuse_quant
+    a = x if cfg.fuse_quant else quantize_activations(x, permuted=x_perm)["deq"].view(m, k)
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
     bias_t = bias if has_bias else out
@@ -995,7 +1025,7 @@ def _launch_gemv(
         m, n, k, a.stride(0), wdata.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant, HAS_BIAS=has_bias,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PARTIAL=partial, SERIAL=serial,
-        WORDS=cfg.words,
+        WORDS=cfg.words, X_PERM=x_perm,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial and not serial:
