@@ -741,11 +741,33 @@ def use_decode(m: int, n: int, k: int, device: torch.device) -> bool:
             and _has_fp8_mma(device))
 
 
-def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool = True) -> GemmConfig:
-    """Tile choice by M bucket; rules fitted to a sweep on one H200 (benchmarks/NOTES_gemm.md).
+#: Weights of at least this many elements stream best with more splits per SM in the GEMV kernel.
+GEMV_LARGE_WEIGHT = 64_000_000
+#: Below this many elements, 512-wide K-tiles (few, long programs) were fastest.
+GEMV_SMALL_WEIGHT = 5_000_000
 
+
+def gemv_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
+    """The GEMV kernel's config where it measured fastest on the H200 (benchmarks/NOTES_gemm.md,
+    "GEMV kernel"), else None: M <= 2 on every shape measured. 512-wide K-tiles (fused
+    quantization) for weights under 5 M elements; M = 1: 32-row tiles with fused quantization,
+    and M = 2: activations quantized once and pre-permuted (one launch more, no per-row layout
+    conversion), with ~8 programs per SM for weights of >= 64 M elements, ~4 below."""
+    if m > 2 or k % 128:
+        return None
+    if n * k < GEMV_SMALL_WEIGHT and k % 512 == 0:
+        return gemv_config(m, n, k, device, block_k=512)
+    if n * k >= GEMV_LARGE_WEIGHT:
+        return gemv_config(m, n, k, device, fuse_quant=False, waves=8)
+    return gemv_config(m, n, k, device, fuse_quant=m == 1)
+
+
+def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool = True) -> GemmConfig:
+    """Tile choice by M bucket; rules fitted to sweeps on one H200 (benchmarks/NOTES_gemm.md).
+
+    - :func:`gemv_rule` (M <= 2): the CUDA-core GEMV kernel.
     - :func:`use_decode` (M <= 4 on large-N weights): the decode kernel, one FP8 MMA per 32-block
-      (``decode=False`` skips it, for comparisons).
+      (``decode=False`` skips these two, for comparisons).
     - M <= 64: a weight stream. 64-row weight tiles, split-K up to ~2 CTAs per SM for
       small weights (< 40 M elements: one kernel, activations quantized inside the GEMM, the last
       CTA of each tile reduces the splits) and ~4 per SM for large ones (separate quantize and
@@ -753,6 +775,8 @@ def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool 
     - M <= 1024: 128x128 tiles (64x64 when N <= 2048), split-K while < half the SMs are busy.
     - larger: 128x256x64 tiles, 8 warps; split-K=2 when it fixes a poor last wave.
     """
+    if decode and (cfg := gemv_rule(m, n, k, device)) is not None:
+        return cfg
     if decode and use_decode(m, n, k, device):
         return decode_config(m, n, k, device)
     sms = _num_sms(device)

@@ -152,10 +152,11 @@ def test_decode_is_the_rule_where_measured_faster():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores need SM89+")
     dev = torch.device("cuda")
-    assert tri.choose_config(1, 24576, 1536, dev).decode  # DeepSeek q_b_proj
+    assert tri.choose_config(3, 24576, 1536, dev).decode  # DeepSeek q_b_proj
     assert tri.choose_config(4, 18432, 7168, dev).decode  # DeepSeek mlp.gate_up_proj
     assert not tri.choose_config(16, 18432, 7168, dev).decode
-    assert not tri.choose_config(1, 4096, 4096, dev).decode
+    assert not tri.choose_config(4, 4096, 4096, dev).decode
+    assert tri.choose_config(1, 24576, 1536, dev).gemv  # M <= 2: the GEMV kernel
 
 
 def test_auto_engine_is_triton_on_hopper():

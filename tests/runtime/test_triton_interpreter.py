@@ -126,6 +126,26 @@ def test_gemv_matches_reference(layout, m, n, k):
             _close(out, ref)
 
 
+def test_gemv_is_the_rule_for_one_or_two_rows():
+    """The dispatch measured on the H200: M <= 2 -> GEMV (512-wide K-tiles for small weights,
+    pre-permuted activations for M = 2 and for large weights), M >= 3 -> never GEMV."""
+    from mxfp8_convert.runtime.triton_mxfp8 import GEMV_LARGE_WEIGHT, choose_config
+
+    cpu = torch.device("cpu")
+    small, mid, large = (1024, 4096), (4096, 4096), (18432, 7168)
+    assert large[0] * large[1] >= GEMV_LARGE_WEIGHT
+    assert choose_config(1, *small, cpu).block_k == 512 and choose_config(1, *small, cpu).fuse_quant
+    one, two = choose_config(1, *mid, cpu), choose_config(2, *mid, cpu)
+    assert one.gemv and one.fuse_quant and one.block_m == 1
+    assert two.gemv and not two.fuse_quant and two.block_m == 2
+    big = choose_config(1, *large, cpu)
+    assert big.gemv and not big.fuse_quant
+    for m in (3, 4, 16, 2048):
+        assert not choose_config(m, *mid, cpu).gemv
+    assert not choose_config(1, *mid, cpu, decode=False).gemv  # the tile kernel, for comparisons
+    assert not choose_config(1, 576, 160, cpu).gemv  # K % 128 != 0: the tile kernel
+
+
 @interp
 def test_engine_entry_point():
     w, q, code, x = _case("trtllm", 3, 256, 256)
