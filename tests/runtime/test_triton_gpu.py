@@ -21,7 +21,7 @@ from tests.runtime.shapes import MODEL_SHAPES
 pytestmark = pytest.mark.gpu
 LAYOUTS = ("trtllm", "cutlass")
 # MXFP8_GPU_TEST_MAX_M=16 keeps the decode sizes only (a short device run)
-MS = tuple(m for m in (1, 4, 16, 100, 2048, 8192) if m <= int(os.environ.get("MXFP8_GPU_TEST_MAX_M", "1000000")))
+MS = tuple(m for m in (1, 2, 4, 16, 100, 2048, 8192) if m <= int(os.environ.get("MXFP8_GPU_TEST_MAX_M", "1000000")))
 
 
 def _triton():
