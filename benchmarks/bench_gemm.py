@@ -5,7 +5,9 @@ Run on the GPU (never collected by pytest):
     python benchmarks/bench_gemm.py gemm  [--out DIR]   # model shapes x M, both layouts, vs bf16
     python benchmarks/bench_gemm.py tune  [--out DIR]   # every candidate tile config per shape and M
     python benchmarks/bench_gemm.py load  [--out DIR]   # converted vs canonical+layout-at-load
-    python benchmarks/bench_gemm.py decode [--sweep] [--out DIR]  # M <= 16: the decode kernel vs bf16
+    python benchmarks/bench_gemm.py decode [--sweep | --grid] [--out DIR]  # M <= 16: decode/GEMV kernels vs bf16
+
+Every mode takes --ms 1,2,... and --shapes NAME,... (substrings of the model-shape names).
 
 Timing: CUDA-graph replays of many calls, each on its own copy of the operands (>= 400 MB
 streamed per replay, so weights come from HBM, not the 60 MB L2), CUDA events, median. TFLOP/s
@@ -237,9 +239,10 @@ def tune(shapes, ms) -> list[dict]:
 DECODE_MS = (1, 2, 4, 16)
 
 
-def decode_variants(m: int, n: int, k: int, sweep: bool) -> dict:
+def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
     """Configs timed per (shape, M): the rule (``choose_config``) and, with ``sweep``, alternatives
-    (``old``: the tile kernel's small-M config, i.e. the path before the decode kernel)."""
+    (``old``: the tile kernel's small-M config, i.e. the path before the decode and GEMV kernels);
+    ``sweep="grid"``: a grid of GEMV configs (rows per program x programs per SM x quantization)."""
     from mxfp8_convert.runtime.triton_mxfp8 import (
         GEMV_MAX_M,
         choose_config,
@@ -254,8 +257,18 @@ def decode_variants(m: int, n: int, k: int, sweep: bool) -> dict:
     out["old"] = choose_config(m, n, k, dev, decode=False)
     d = lambda **kw: decode_config(m, n, k, dev, **kw)  # noqa: E731
     out["dec.b64.w2"] = d(waves=2)  # the decode kernel (FP8 wgmma per 32-block)
-    if m <= GEMV_MAX_M:  # the CUDA-core GEMV kernel
-        g = lambda **kw: gemv_config(m, n, k, dev, **kw)  # noqa: E731
+    g = lambda **kw: gemv_config(m, n, k, dev, **kw)  # noqa: E731
+    if sweep == "grid" and m <= GEMV_MAX_M:
+        for bn in (16, 32, 64):
+            for waves in (1, 2, 4, 8, 16):
+                for fuse in (True, False):
+                    out[f"gemv.b{bn}.w{waves}" + (".fuse" if fuse else ".perm")] = g(
+                        block_n=bn, waves=waves, fuse_quant=fuse)
+        out.update({"gemv.b32.w4.cvt": g(words=False), "gemv.b32.w8.cvt": g(words=False, waves=8),
+                    "gemv.b32.w4.nw8": g(num_warps=8), "gemv.b64.w4.nw8": g(block_n=64, num_warps=8),
+                    "gemv.b16.w4.nw2": g(block_n=16, num_warps=2), "gemv.b32.w4.bk512": g(block_k=512),
+                    "gemv.b32.w4.bk128": g(block_k=128)})
+    elif m <= GEMV_MAX_M:  # the CUDA-core GEMV kernel
         out.update({
             "gemv.b32": g(),
             "gemv.b32.w8": g(waves=8),
@@ -280,7 +293,7 @@ def _mx_calls(xs, ws, cfg):
     return lambda i: (lambda: triton_linear(xs[i], ws[i], config=cfg))
 
 
-def decode_rows(shapes, ms, layouts, sweep: bool) -> list[dict]:
+def decode_rows(shapes, ms, layouts, sweep: bool | str) -> list[dict]:
     """Decode timing: operand copies made once per shape, bf16 and every variant in the same run."""
     from mxfp8_convert.runtime.triton_mxfp8 import triton_linear
 
@@ -420,6 +433,8 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=["gemm", "tune", "load", "decode"])
     p.add_argument("--sweep", action="store_true", help="decode: time alternative configs too")
+    p.add_argument("--grid", action="store_true", help="decode: time a grid of GEMV configs (M <= 4)")
+    p.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--ms", default=",".join(map(str, MS)))
     args = p.parse_args()
@@ -427,18 +442,20 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     result = {"env": environment(), "date": time.strftime("%Y-%m-%d %H:%M:%S"), "mode": args.mode}
     print(json.dumps(result["env"]), flush=True)
+    keys = [key for key in args.shapes.split(",") if key]
+    shapes = [sh for sh in MODEL_SHAPES if not keys or any(key in sh[0] for key in keys)]
     if args.mode == "gemm":
         result["bf16_peak_tflops_8192"] = peak_bf16()
         print(f"bf16 8192^3: {result['bf16_peak_tflops_8192']:.1f} TF/s", flush=True)
-        result["rows"] = gemm_rows(MODEL_SHAPES, [int(m) for m in args.ms.split(",")])
+        result["rows"] = gemm_rows(shapes, [int(m) for m in args.ms.split(",")])
     elif args.mode == "decode":
         ms = [int(m) for m in args.ms.split(",")] if args.ms != ",".join(map(str, MS)) else list(DECODE_MS)
         layouts = ("trtllm", "cutlass")
-        result["rows"] = decode_rows(MODEL_SHAPES, ms, layouts, args.sweep)
+        result["rows"] = decode_rows(shapes, ms, layouts, "grid" if args.grid else args.sweep)
         (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
         decode_summary(result["rows"])
     elif args.mode == "tune":
-        result["rows"] = tune(MODEL_SHAPES, [int(m) for m in args.ms.split(",")])
+        result["rows"] = tune(shapes, [int(m) for m in args.ms.split(",")])
     else:
         with tempfile.TemporaryDirectory(dir=os.environ.get("BENCH_TMP")) as tmp:
             result["load"] = load_bench(Path(tmp))
