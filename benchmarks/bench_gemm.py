@@ -271,6 +271,7 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
     elif m <= GEMV_MAX_M:  # the CUDA-core GEMV kernel
         out.update({
             "gemv.b32": g(),
+            "gemv.b16": g(block_n=16),
             "gemv.b32.w8": g(waves=8),
             "gemv.b32.bk512": g(block_k=512),
             "gemv.b32.perm": g(fuse_quant=False),

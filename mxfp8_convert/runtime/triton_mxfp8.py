@@ -750,16 +750,19 @@ GEMV_SMALL_WEIGHT = 5_000_000
 def gemv_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
     """The GEMV kernel's config where it measured fastest on the H200 (benchmarks/NOTES_gemm.md,
     "GEMV kernel"), else None: M <= 2 on every shape measured. 512-wide K-tiles (fused
-    quantization) for weights under 5 M elements; M = 1: 32-row tiles with fused quantization,
-    and M = 2: activations quantized once and pre-permuted (one launch more, no per-row layout
-    conversion), with ~8 programs per SM for weights of >= 64 M elements, ~4 below."""
+    quantization) for weights under 5 M elements; activations quantized once and pre-permuted
+    (one launch more, no per-row layout conversion) with ~8 programs per SM for weights of
+    >= 64 M elements; in between, M = 1: fused quantization, 16- or 32-row programs, ~4 per SM,
+    and M = 2: pre-permuted activations, ~2 programs per SM."""
     if m > 2 or k % 128:
         return None
     if n * k < GEMV_SMALL_WEIGHT and k % 512 == 0:
         return gemv_config(m, n, k, device, block_k=512)
     if n * k >= GEMV_LARGE_WEIGHT:
         return gemv_config(m, n, k, device, fuse_quant=False, waves=8)
-    return gemv_config(m, n, k, device, fuse_quant=m == 1)
+    if m == 1:  # 16-row programs where there are many rows and long ones (measured: N >= 4096, K >= 2048)
+        return gemv_config(m, n, k, device, block_n=16 if n >= 4096 and k >= 2048 else 32)
+    return gemv_config(m, n, k, device, fuse_quant=False, waves=2)
 
 
 def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool = True) -> GemmConfig:

@@ -138,6 +138,7 @@ def test_gemv_is_the_rule_for_one_or_two_rows():
     one, two = choose_config(1, *mid, cpu), choose_config(2, *mid, cpu)
     assert one.gemv and one.fuse_quant and one.block_m == 1
     assert two.gemv and not two.fuse_quant and two.block_m == 2
+    assert one.block_n == 16 and choose_config(1, 2560, 4096, cpu).block_n == 32  # many long rows: 16-row programs
     big = choose_config(1, *large, cpu)
     assert big.gemv and not big.fuse_quant
     for m in (3, 4, 16, 2048):
