@@ -18,9 +18,12 @@ the MMA's register operand and never goes through shared memory as bf16):
 - split-K partials (small M: a weight stream needs many CTAs) are summed by a second kernel,
   or, for small weights, by the last CTA of each tile to arrive (an atomic arrival counter).
 
-Decode (:func:`use_decode`, M <= 4 on large-N weights) runs ``_mxfp8_decode_kernel`` instead: e4m3
-weight and activation bytes go to FP8 tensor-core MMAs untouched, one MMA per 32-block, and the
-two power-of-two scales multiply the fp32 partial products (benchmarks/NOTES_gemm.md, decode).
+M <= 2 (:func:`gemv_rule`) runs ``_mxfp8_gemv_kernel``: a weight stream on CUDA cores (one FMA
+per weight byte and activation row; bytes converted from int32 words by integer ops), with no
+tensor-core round trips (benchmarks/NOTES_gemm.md, GEMV kernel). Decode (:func:`use_decode`,
+M <= 4 on large-N weights) runs ``_mxfp8_decode_kernel``: e4m3 weight and activation bytes go to
+FP8 tensor-core MMAs untouched, one MMA per 32-block, and the two power-of-two scales multiply the
+fp32 partial products (benchmarks/NOTES_gemm.md, decode).
 
 Rounding to e4m3 is done in fp32 arithmetic (the magic-number trick), not by a float8 cast: it is
 bit-exact RNE on every device and in Triton's interpreter, whose float8/bf16 casts truncate.
