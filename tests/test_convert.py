@@ -243,3 +243,33 @@ def test_unchanged_bytes_are_written_when_the_kernel_cannot_copy(tmp_path, monke
     b = json.loads((tmp_path / "plain" / COMPLETE_MARKER).read_text())["files"]
     assert a == b
     assert a["model.safetensors"]["xxh3_128"] == xxh(tmp_path / "plain" / "model.safetensors")
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
+def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path, monkeypatch, backend):
+    """Every WRITEBACK_BYTES written, the shard's pages are handed to writeback and the clean
+    ones dropped (POSIX_FADV_DONTNEED), from the start of the file, before the shard is closed;
+    the bytes and hashes are those of a run without it, and the fd is still open when advised."""
+    import os
+
+    import mxfp8_convert.write as write
+
+    src = _wide_mxfp8(tmp_path / "src")
+    convert(src, backend, tmp_path / "plain")
+    real, calls = os.posix_fadvise, []
+
+    def spy(fd, offset, length, advice):
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice, os.fstat(fd).st_size))
+        return real(fd, offset, length, advice)
+
+    monkeypatch.setattr(os, "posix_fadvise", spy)
+    monkeypatch.setattr(write, "WRITEBACK_BYTES", 1)  # after every write
+    convert(src, backend, tmp_path / "advised")
+    shard = "model.safetensors"
+    size = json.loads((tmp_path / "plain" / COMPLETE_MARKER).read_text())["files"][shard]["size"]
+    mine = [c for c in calls if c[0].endswith(shard)]
+    assert len(mine) >= 2 and all(c[1:4] == (0, 0, os.POSIX_FADV_DONTNEED) for c in mine)
+    assert min(c[4] for c in mine) < size  # while the shard was still being written
+    a = json.loads((tmp_path / "plain" / COMPLETE_MARKER).read_text())["files"]
+    b = json.loads((tmp_path / "advised" / COMPLETE_MARKER).read_text())["files"]
+    assert a == b and b[shard]["xxh3_128"] == xxh(tmp_path / "advised" / shard)
