@@ -7,6 +7,7 @@ kept inside the model folder, and pickles are never opened.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import math
 import mmap
@@ -18,6 +19,8 @@ import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
+
+import numpy as np
 
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.dtypes import ST_DTYPES, torch_dtype
@@ -34,6 +37,22 @@ MAX_CONFIG_BYTES = 16 * 1024 * 1024
 MAX_JSON_DEPTH = 32
 #: what a model folder may hold beside its weights that the conversion never needs to read
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth", ".ckpt", ".pkl")
+#: bytes per memchr() call of ``ShardReader.find_byte``: the second byte's pass over a block
+#: reads it from the CPU cache, not memory
+SCAN_BLOCK = 1 << 20
+
+
+def _libc_memchr():
+    """libc's memchr through ctypes (which lets other threads run during the call), or None."""
+    try:
+        f = ctypes.CDLL(None).memchr
+    except (OSError, AttributeError):
+        return None
+    f.restype, f.argtypes = ctypes.c_void_p, [ctypes.c_void_p, ctypes.c_int, ctypes.c_size_t]
+    return f
+
+
+_memchr = _libc_memchr()
 
 
 @dataclass(frozen=True, slots=True)
@@ -455,6 +474,8 @@ class ShardReader:
             self._f.close()
             raise SourceError(f"{relpath}: file changed size during conversion ({expected_size} -> {size})")
         self._mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if size else None
+        # the mapping's address, for memchr (numpy reads it off a read-only buffer; ctypes cannot)
+        self._pin = np.frombuffer(self._mm, dtype=np.uint8) if self._mm is not None else None
 
     def view(self, begin: int, n: int) -> torch.Tensor:
         """Read-only uint8 view of bytes ``[begin, begin + n)`` (do not write to it)."""
@@ -473,14 +494,24 @@ class ShardReader:
     def find_byte(self, begin: int, n: int, values: bytes) -> int:
         """Offset of the first byte in ``[begin, begin + n)`` equal to one of ``values``, or -1.
 
-        mmap.find scans at memchr speed without copying or allocating, which is what a check
-        on every weight byte can afford.
+        A check on every weight byte must run at memory speed and beside the writer threads:
+        libc's memchr, called through ctypes so that the GIL is released while it scans
+        (``mmap.find`` holds it, and stalled the writer thread's writev() loop for the whole
+        scan: BENCHMARKS.md), one ``SCAN_BLOCK`` at a time so that the scan for the second value
+        reads the block from the cache. Without a libc memchr, ``mmap.find``.
         """
         if self._mm is None or n == 0:
             return -1
-        hits = [self._mm.find(bytes([v]), begin, begin + n) for v in values]
-        hits = [h for h in hits if h >= 0]
-        return min(hits) if hits else -1
+        if _memchr is None:
+            hits = [h for v in values if (h := self._mm.find(bytes([v]), begin, begin + n)) >= 0]
+            return min(hits) if hits else -1
+        base = self._pin.ctypes.data
+        for at in range(begin, begin + n, SCAN_BLOCK):
+            size = min(SCAN_BLOCK, begin + n - at)
+            hits = [h for v in values if (h := _memchr(base + at, v, size))]
+            if hits:
+                return min(hits) - base
+        return -1
 
     def drop(self, begin: int, n: int) -> None:
         page = mmap.PAGESIZE
@@ -489,6 +520,7 @@ class ShardReader:
             self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
+        self._pin = None
         if self._mm is not None:
             try:
                 self._mm.close()

@@ -207,3 +207,37 @@ def test_mxfp8_source_to_canonical_normalises_e8m0_scales(tmp_path):
     assert s.dtype == torch.uint8 and torch.equal(s, want["model.layers.0.mlp.up_proj.weight_scale"].view(torch.uint8))
     cfg = json.loads((tmp_path / "c" / "config.json").read_text())["quantization_config"]
     assert cfg["quant_method"] == "mxfp8" and cfg["weight_block_size"] == [1, 32] and cfg["ignored_layers"] == ["lm_head"]
+
+
+@pytest.mark.parametrize("libc", [True, False], ids=["memchr", "mmap.find"])
+def test_nan_byte_scan_finds_the_first_of_either_byte_across_blocks(tmp_path, monkeypatch, libc):
+    """ShardReader.find_byte scans block by block with libc memchr (GIL released), or with
+    mmap.find where there is no libc memchr: the first 0x7F or 0xFF in the range, wherever the
+    block boundaries fall, and -1 for a clean range."""
+    import numpy as np
+
+    import mxfp8_convert.read as read
+
+    calls = []
+    if libc:
+        real = read._memchr
+        assert real is not None
+        monkeypatch.setattr(read, "_memchr", lambda *a: calls.append(a) or real(*a))
+    else:
+        monkeypatch.setattr(read, "_memchr", None)
+    monkeypatch.setattr(read, "SCAN_BLOCK", 64)
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 0x7F, 1000, dtype=np.uint8)
+    data[[130, 700]] = 0xFF
+    data[[128 + 65, 500]] = 0x7F
+    (tmp_path / "f").write_bytes(data.tobytes())
+    r = read.ShardReader(tmp_path, "f", 1000)
+    try:
+        nan = bytes([0x7F, 0xFF])
+        for begin, n in [(0, 1000), (3, 200), (129, 64), (131, 400), (194, 306), (501, 199), (701, 299), (0, 0)]:
+            hits = np.flatnonzero((data[begin:begin + n] & 0x7F) == 0x7F)
+            assert r.find_byte(begin, n, nan) == (begin + int(hits[0]) if hits.size else -1), (begin, n)
+    finally:
+        r.close()
+    assert bool(calls) == libc
+    assert all(size <= 64 for _, _, size in calls)
