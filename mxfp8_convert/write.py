@@ -26,8 +26,6 @@ import xxhash
 from mxfp8_convert._lazy import torch, torch_loaded
 from mxfp8_convert.errors import OutputError
 
-#: errnos meaning "no in-kernel copy between these files": fall back to a plain write
-_NO_KERNEL_COPY = {errno.EXDEV, errno.EINVAL, errno.ENOSYS, errno.EOPNOTSUPP, errno.EBADF, errno.EPERM}
 #: bytes per write() / writev(): 256 KiB writes ran 2-5x faster than 32 MiB ones on ext4 here
 #: (the chunk is still in the CPU cache when the kernel copies it); BENCHMARKS.md
 WRITE_PIECE = 256 << 10
@@ -102,7 +100,7 @@ class ShardWriter:
         self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-flush")
         try:
             path.parent.mkdir(parents=True, exist_ok=True)  # shards may sit in a subfolder
-            self._f = open(path, "wb", buffering=0)  # raw: writes and kernel copies share the offset
+            self._f = open(path, "wb", buffering=0)  # raw: write() and os.writev() share the offset
         except OSError as e:
             raise os_error(path, e) from None
         self.write(struct.pack("<Q", len(raw)) + raw)
@@ -149,38 +147,6 @@ class ShardWriter:
             os.posix_fadvise(self._f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
         except (AttributeError, OSError):
             pass
-
-    def _kernel_copy(self, src_fd: int, offset: int, n: int) -> int:
-        """Append ``n`` bytes of ``src_fd`` at ``offset`` with copy_file_range, as cp does.
-
-        Returns ``n``, or the bytes copied before the kernel said it cannot copy between these
-        files (the caller writes the rest itself); other errors propagate.
-        """
-        done = 0
-        try:
-            while done < n:
-                got = os.copy_file_range(src_fd, self._f.fileno(), n - done, offset + done)
-                if got == 0:
-                    raise OSError(errno.EIO, "source ended during copy")
-                done += got
-        except (AttributeError, OSError) as e:
-            if isinstance(e, OSError) and e.errno not in _NO_KERNEL_COPY:
-                raise
-        return done
-
-    def _copy_range(self, src_fd: int, offset: int, n: int, view: memoryview) -> None:
-        """Copy ``n`` bytes of ``src_fd`` at ``offset`` in the kernel; a plain write of ``view``
-        (the same bytes) for whatever the kernel cannot copy."""
-        done = self._kernel_copy(src_fd, offset, n)
-        self._write_raw(view[done:])
-
-    def copy(self, src_fd: int, offset: int, view: torch.Tensor, release=None) -> None:
-        """Queue ``view.numel()`` bytes of ``src_fd`` at ``offset`` (``view`` holds the same bytes,
-        e.g. an mmap view; it is hashed, and written only if the kernel cannot copy)."""
-        mv = _as_memoryview(view)
-        jobs = (self._writer.submit(self._then_let_go, mv.nbytes, self._copy_range, src_fd, offset, mv.nbytes, mv),
-                self._hasher.submit(self._hash.update, mv))
-        self._enqueue(jobs, mv, view, release)
 
     @staticmethod
     def _rows(view: memoryview, row_bytes: int, order: list[int]) -> Iterator[list[memoryview]]:
