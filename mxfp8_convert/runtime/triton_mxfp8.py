@@ -1035,7 +1035,12 @@ def _launch_gemv(
         raise LayoutError(f"the GEMV kernel serves M <= block_m <= {GEMV_MAX_M}, got M={m}, block_m={cfg.block_m}")
     if cfg.block_k % 32 or k % cfg.block_k:
         raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
-    x_perm = cfg.words and not cfg.fuse_quant
+    wdata = weight.data
+    # int32 words need a contiguous, 4-byte aligned weight; any other view takes the generic cast
+    words = cfg.words and wdata.is_contiguous() and wdata.data_ptr() % 4 == 0
+    if words:
+        wdata = wdata.view(torch.int32)
+    x_perm = words and not cfg.fuse_quant
     a = x if cfg.fuse_quant else quantize_activations(x, permuted=x_perm)["deq"].view(m, k)
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
@@ -1045,17 +1050,12 @@ def _launch_gemv(
     tiles = triton.cdiv(n, cfg.block_n)
     ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     lock = _tile_locks(x.device, tiles) if serial else ws
-    wdata = weight.data
-    if cfg.words:
-        if not wdata.is_contiguous() or wdata.data_ptr() % 4:
-            raise LayoutError(f"{weight.name or 'weight'}: the GEMV kernel needs contiguous, 4-byte aligned weight bytes")
-        wdata = wdata.view(torch.int32)
     _mxfp8_gemv_kernel[(tiles, cfg.split_k)](
         a, wdata, _scale_operand(weight), bias_t, out, ws, lock,
         m, n, k, a.stride(0), wdata.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant, HAS_BIAS=has_bias,
         BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PARTIAL=partial, SERIAL=serial,
-        WORDS=cfg.words, X_PERM=x_perm,
+        WORDS=words, X_PERM=x_perm,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial and not serial:

@@ -126,6 +126,22 @@ def test_gemv_matches_reference(layout, m, n, k):
             _close(out, ref)
 
 
+@interp
+def test_gemv_unaligned_weight_takes_the_generic_cast():
+    """A weight view that is not 4-byte aligned cannot be read as int32 words: same result."""
+    from mxfp8_convert.runtime.triton_mxfp8 import gemv_config, triton_linear
+
+    w, q, code, x = _case("cutlass", 1, 128, 256)
+    buf = torch.empty(128 * 256 + 1, dtype=torch.uint8)
+    buf[1:] = w.data.view(torch.uint8).reshape(-1)
+    shifted = MXFP8Weight(buf[1:].view(torch.float8_e4m3fn).view(128, 256), w.scale, "cutlass")
+    assert shifted.data.data_ptr() % 4
+    ref = reference_linear(x, q, code)
+    for fuse in (True, False):
+        out = triton_linear(x, shifted, config=gemv_config(1, 128, 256, torch.device("cpu"), fuse_quant=fuse))
+        _close(out, ref)
+
+
 def test_gemv_is_the_rule_for_one_or_two_rows():
     """The dispatch measured on the H200: M <= 2 -> GEMV (512-wide K-tiles for small weights,
     pre-permuted activations for M = 2 and for large weights), M >= 3 -> never GEMV."""
