@@ -21,7 +21,7 @@ from mxfp8_convert.backends import BACKENDS, FORMAT_VERSION, BackendSpec, get_ba
 from mxfp8_convert.dtypes import torch_dtype
 from mxfp8_convert.errors import ConvertError, LayoutError, OutputError
 from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD, detect, get_format
-from mxfp8_convert.layouts import p32_row_order
+from mxfp8_convert.layouts import p32_row_order, p32_shuffle_rows_array
 from mxfp8_convert.plan import (
     COMPLETE_MARKER,
     ConversionPlan,
@@ -268,12 +268,9 @@ def _compute_threads(workers: int) -> Iterator[None]:
 
 
 def _computes(plan: ConversionPlan) -> bool:
-    """Whether converting ``plan`` computes on tensors (torch), rather than only moving bytes:
-    computed modules, fused MoE layers, and P32 rows too narrow for row copies."""
-    if plan.moe or any(_computed(m) for m in plan.modules):
-        return True
-    return any(t.role == "weight" and t.layout == "p32_rows" and t.shape[1] < ROW_COPY_MIN_BYTES
-               for s in plan.shards for t in s.tensors)
+    """Whether converting ``plan`` computes on tensors (torch), rather than only moving bytes
+    (with mmap and numpy): computed modules and fused MoE layers."""
+    return bool(plan.moe) or any(_computed(m) for m in plan.modules)
 
 
 #: memory one worker needs beyond its largest in-memory module: its buffer pool and queue
@@ -514,8 +511,10 @@ class _Executor:
             if t.layout == "p32_rows" and row_bytes >= ROW_COPY_MIN_BYTES:
                 order = p32_row_order(n // row_bytes)  # output row p <- source row order[p]
                 writer.copy_rows(row_bytes, order, reader.bytes(begin, n), lambda _, b=begin, k=n: reader.drop(b, k))
-            else:
-                laid = layout_weight_chunk(t, self.backend, reader.view(begin, n), self.pool.get(n))
+            else:  # narrow rows: shuffled in memory, with numpy (no torch)
+                rows = np.frombuffer(reader.bytes(begin, n), dtype=np.uint8).reshape(-1, row_bytes)
+                laid = p32_shuffle_rows_array(rows, self.pool.get(n))
+                del rows
                 reader.drop(begin, n)
                 writer.write(laid, self.pool.release)
             yield n
@@ -548,8 +547,9 @@ class _Executor:
             if granule == 1:  # bytes unchanged: write the canonical tensor as it is
                 writer.write(chunk)
             else:
-                writer.write(layout_weight_chunk(t, self.backend, chunk, self.pool.get(chunk.numel())),
-                             self.pool.release)
+                buf = self.pool.get(chunk.numel())
+                writer.write(layout_weight_chunk(t, self.backend, chunk, torch.from_numpy(buf)),
+                             lambda _, b=buf: self.pool.release(b))
             yield chunk.numel()
 
     def _drop(self, m: ModulePlan) -> None:

@@ -184,16 +184,17 @@ def test_wide_rows_are_shuffled_by_vectored_writes(tmp_path, monkeypatch, short)
     assert calls and max(calls) > 1  # rows went out several per call
 
 
-def _wide_mxfp8(root):
-    """An SGLang MXFP8 model whose one linear has 8 KiB rows (row copies, no in-memory shuffle)."""
+def _wide_mxfp8(root, k=8192):
+    """An SGLang MXFP8 model whose one linear has ``k``-byte rows (8 KiB: written by row copies;
+    narrower: shuffled in memory)."""
     from safetensors.torch import save_file
 
     root.mkdir()
     g = torch.Generator().manual_seed(0)
     save_file({
         "model.layers.0.mlp.down_proj.weight":
-            torch.randint(0, 126, (128, 8192), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn),
-        "model.layers.0.mlp.down_proj.weight_scale_inv": torch.randint(110, 130, (128, 256), dtype=torch.uint8, generator=g),
+            torch.randint(0, 126, (128, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn),
+        "model.layers.0.mlp.down_proj.weight_scale_inv": torch.randint(110, 130, (128, k // 32), dtype=torch.uint8, generator=g),
         "model.norm.weight": torch.ones(64, dtype=torch.bfloat16),
     }, str(root / "model.safetensors"), metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
@@ -202,16 +203,18 @@ def _wide_mxfp8(root):
     return root
 
 
+@pytest.mark.parametrize("k", [8192, 256], ids=["row-copies", "narrow-rows"])
 @pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
-def test_mxfp8_conversion_never_imports_torch(tmp_path, backend):
-    """Laying MXFP8 out only moves bytes: torch (seconds to import) stays unloaded, and the
-    output equals the torch layouts'."""
+def test_mxfp8_conversion_never_imports_torch(tmp_path, backend, k):
+    """Laying MXFP8 out only moves bytes: torch (seconds to import) stays unloaded, whether
+    trtllm's rows are written by row copies or (narrower than 8 KiB) shuffled in memory, and
+    the output equals the torch layouts'."""
     import subprocess
     import sys
 
     from mxfp8_convert.backends import BACKENDS
 
-    src = _wide_mxfp8(tmp_path / "src")
+    src = _wide_mxfp8(tmp_path / "src", k)
     code = ("import sys; from mxfp8_convert import convert; import mxfp8_convert.cli; "
             f"convert({str(src)!r}, {backend!r}, {str(tmp_path / 'out')!r}); "
             "assert 'torch' not in sys.modules, 'torch was imported'")

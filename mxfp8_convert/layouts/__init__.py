@@ -10,7 +10,9 @@ from mxfp8_convert.layouts.rows import (
     p32_row_indices,
     p32_row_order,
     p32_shuffle_rows,
+    p32_shuffle_rows_array,
     p32_unshuffle_rows,
+    p32_unshuffle_rows_array,
 )
 from mxfp8_convert.layouts.swizzle import (
     swizzle_8x4,
@@ -33,7 +35,9 @@ __all__ = [
     "p32_row_indices",
     "p32_row_order",
     "p32_shuffle_rows",
+    "p32_shuffle_rows_array",
     "p32_unshuffle_rows",
+    "p32_unshuffle_rows_array",
     "swizzle_128x4",
     "swizzle_128x4_array",
     "unswizzle_128x4",

@@ -8,6 +8,8 @@ moves rows within 32-row blocks, so it commutes with slicing rows at multiples o
 
 from __future__ import annotations
 
+import numpy as np
+
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 
@@ -45,6 +47,37 @@ def p32_unshuffle_rows(x: torch.Tensor) -> torch.Tensor:
     n = _check_rows(x)
     rest = x.shape[1:]
     return x.reshape(n // 32, 4, 8, -1).transpose(1, 2).reshape(n, *rest).contiguous()
+
+
+def p32_shuffle_rows_array(x: np.ndarray, out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`p32_shuffle_rows` in numpy (no torch): ``[N, K]`` in, a new ``[N, K]`` out.
+
+    Args:
+        x: ``[N, K]`` array of any dtype, ``N % 32 == 0`` (may be read-only, e.g. a mapping).
+        out: an array of ``x``'s size and dtype (any shape) to receive the rows, or None.
+
+    Returns:
+        ``out`` reshaped to ``[N, K]`` (a new contiguous array if ``out`` is None).
+
+    Raises:
+        LayoutError: if ``x`` is not 2-D or ``N % 32 != 0``.
+    """
+    if x.ndim != 2:
+        raise LayoutError(f"P32 row shuffle of an array needs [N, K], got {list(x.shape)}")
+    n, k = x.shape
+    if n % P32_BLOCK:
+        raise LayoutError(f"P32 row shuffle needs rows % 32 == 0, got {n} rows")
+    out = np.empty_like(x) if out is None else out.reshape(n, k)
+    out.reshape(-1, 4, 8, k)[...] = x.reshape(-1, 8, 4, k).transpose(0, 2, 1, 3)
+    return out
+
+
+def p32_unshuffle_rows_array(x: np.ndarray) -> np.ndarray:
+    """Inverse of :func:`p32_shuffle_rows_array`: ``[N, K]`` in, a new ``[N, K]`` out."""
+    if x.ndim != 2 or x.shape[0] % P32_BLOCK:
+        raise LayoutError(f"P32 row unshuffle of an array needs [N, K] with N % 32 == 0, got {list(x.shape)}")
+    n, k = x.shape
+    return np.ascontiguousarray(x.reshape(-1, 4, 8, k).transpose(0, 2, 1, 3)).reshape(n, k)
 
 
 def p32_row_order(n: int) -> list[int]:

@@ -154,3 +154,26 @@ def test_row_order_is_row_indices_without_torch(n):
     assert p32_row_order(n) == p32_row_indices(n).tolist()
     with pytest.raises(LayoutError):
         p32_row_order(n + 8)
+
+
+@pytest.mark.parametrize("n,k", [(32, 1), (96, 7), (256, 256)])
+def test_numpy_twins_equal_the_torch_shuffle(n, k):
+    """p32_shuffle_rows_array (the converter's torch-free in-memory shuffle) == p32_shuffle_rows,
+    read-only input, into a given flat buffer or a new array; the unshuffle undoes it."""
+    import numpy as np
+
+    from mxfp8_convert.layouts import p32_shuffle_rows_array, p32_unshuffle_rows_array
+
+    x = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + k))
+    want = p32_shuffle_rows(x).numpy()
+    ro = x.numpy().copy()
+    ro.flags.writeable = False
+    out = np.full(n * k, 7, dtype=np.uint8)
+    assert np.array_equal(p32_shuffle_rows_array(ro, out), want)
+    assert np.array_equal(out.reshape(n, k), want)
+    assert np.array_equal(p32_shuffle_rows_array(ro), want)
+    assert np.array_equal(p32_unshuffle_rows_array(want), x.numpy())
+    with pytest.raises(LayoutError):
+        p32_shuffle_rows_array(np.zeros((n + 8, k), np.uint8))
+    with pytest.raises(LayoutError):
+        p32_shuffle_rows_array(np.zeros(32, np.uint8))
