@@ -6,6 +6,7 @@ Run on the GPU (never collected by pytest):
     python benchmarks/bench_gemm.py tune  [--out DIR]   # every candidate tile config per shape and M
     python benchmarks/bench_gemm.py load  [--out DIR]   # converted vs canonical+layout-at-load
     python benchmarks/bench_gemm.py decode [--sweep | --grid] [--out DIR]  # M <= 16: decode/GEMV kernels vs bf16
+    python benchmarks/bench_gemm.py quant  [--out DIR]   # the activation-quantization pass's share of a GEMM
 
 Every mode takes --ms 1,2,... and --shapes NAME,... (substrings of the model-shape names).
 
@@ -128,6 +129,37 @@ def random_weight(n: int, k: int, layout: str, seed: int = 0):
 def rel_err(out, x, q, code) -> float:
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
     return float((out.double() - ref).norm() / ref.norm())
+
+
+def _quant_calls(xs, quantize):
+    return lambda i: (lambda: quantize(xs[i]))
+
+
+def quant_share_rows(shapes, ms) -> list[dict]:
+    """Time the activation-quantization pass alone next to the whole GEMM (rule config, trtllm)
+    and bf16: how much of a large-M GEMM the separate pass costs."""
+    from mxfp8_convert.runtime.triton_mxfp8 import choose_config, quantize_activations
+
+    rows = []
+    for name, n, k in shapes:
+        w, _, _ = random_weight(n, k, "trtllm")
+        wbf = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cfg = choose_config(m, n, k, x.device)
+            copies = n_copies(m * k * 4, m * k * 2)
+            xs = [x.clone() for _ in range(copies)]
+            t_q = time_graph(_quant_calls(xs, quantize_activations), copies)
+            t_mx, t_bf = time_mx(x, w, cfg), time_bf16(x, wbf)
+            rows.append({"shape": name, "m": m, "n": n, "k": k, "quant_ms": t_q, "gemm_ms": t_mx, "bf16_ms": t_bf,
+                         "quant_tbps": m * k * 4 / t_q / 1e9, "config": cfg.to_dict()})
+            print(f"{name:32s} M={m:5d} quantize {t_q * 1e3:7.1f} us ({m * k * 4 / t_q / 1e9:.2f} TB/s) = "
+                  f"{t_q / t_mx:5.1%} of the MXFP8 GEMM {t_mx * 1e3:7.1f} us; bf16 {t_bf * 1e3:7.1f} us: "
+                  f"x{t_bf / t_mx:.2f}, x{t_bf / (t_mx - t_q):.2f} without the pass", flush=True)
+            del xs
+        del w, wbf
+        torch.cuda.empty_cache()
+    return rows
 
 
 def peak_bf16() -> float:
@@ -432,7 +464,7 @@ def load_bench(root: Path, layers: int = 8) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["gemm", "tune", "load", "decode"])
+    p.add_argument("mode", choices=["gemm", "tune", "load", "decode", "quant"])
     p.add_argument("--sweep", action="store_true", help="decode: time alternative configs too")
     p.add_argument("--grid", action="store_true", help="decode: time a grid of GEMV configs (M <= 4)")
     p.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
@@ -455,6 +487,8 @@ def main() -> None:
         result["rows"] = decode_rows(shapes, ms, layouts, "grid" if args.grid else args.sweep)
         (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
         decode_summary(result["rows"])
+    elif args.mode == "quant":
+        result["rows"] = quant_share_rows(shapes, [int(m) for m in args.ms.split(",")])
     elif args.mode == "tune":
         result["rows"] = tune(shapes, [int(m) for m in args.ms.split(",")])
     else:
