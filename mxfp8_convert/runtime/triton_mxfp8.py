@@ -448,6 +448,14 @@ def _mxfp8_decode_kernel(
 # GEMV (M <= 4): the weight stream on CUDA cores, no tensor-core round trips
 # --------------------------------------------------------------------------------------------
 @triton.jit
+def _quantized_x_row(x_row, kt, BLOCK_K: tl.constexpr):
+    """K-tile ``kt`` of one activation row as its exact MXFP8 value ``q * 2^(code-127)`` (fp32)."""
+    x = tl.load(x_row + kt * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.float32)
+    deq, _r, _c = _mx_fake_quant(tl.reshape(x, (1, BLOCK_K // 32, 32)), 2)
+    return tl.reshape(deq, (BLOCK_K,))
+
+
+@triton.jit
 def _gemv_row(acc, wf, sw, x_row, kt, FUSE_QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """``acc [BN, BK/32] += sum_32(wf * xd) * sw`` for one activation row of K-tile ``kt``.
 
@@ -455,10 +463,10 @@ def _gemv_row(acc, wf, sw, x_row, kt, FUSE_QUANT: tl.constexpr, BLOCK_N: tl.cons
     (FUSE_QUANT) or already by :func:`quantize_activations`. ``wf`` are the e4m3 weight values,
     so each product is exact and only the 32-term sums round (fp32), as in a tensor-core MMA.
     """
-    x = tl.load(x_row + kt * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.float32)
     if FUSE_QUANT:
-        deq, _r, _c = _mx_fake_quant(tl.reshape(x, (1, BLOCK_K // 32, 32)), 2)
-        x = tl.reshape(deq, (BLOCK_K,))
+        x = _quantized_x_row(x_row, kt, BLOCK_K)
+    else:
+        x = tl.load(x_row + kt * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.float32)
     part = tl.sum(tl.reshape(wf * x[None, :], (BLOCK_N, BLOCK_K // 32, 32)), axis=2)
     return acc + part * sw
 
@@ -482,9 +490,7 @@ def _gemv_words_row(acc, w0, w1, w2, w3, sw, x_row, kt, BLOCK_N: tl.constexpr, B
     """:func:`_gemv_row` (activations quantized here) on weights given as fp32 [BN, BK/4] per byte
     position ``j`` of each int32 word (K index ``4*i + j``), scaled by 2^-8 (undone before the
     scale)."""
-    x = tl.load(x_row + kt * BLOCK_K + tl.arange(0, BLOCK_K)).to(tl.float32)
-    deq, _r, _c = _mx_fake_quant(tl.reshape(x, (1, BLOCK_K // 32, 32)), 2)
-    even, odd = tl.split(tl.reshape(deq, (BLOCK_K // 4, 2, 2)))  # K index 4i+2a / 4i+2a+1
+    even, odd = tl.split(tl.reshape(_quantized_x_row(x_row, kt, BLOCK_K), (BLOCK_K // 4, 2, 2)))  # K index 4i+2a / 4i+2a+1
     x0, x2 = tl.split(even)
     x1, x3 = tl.split(odd)
     prod = w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :]
@@ -871,6 +877,26 @@ def _tile_locks(device: torch.device, tiles: int) -> torch.Tensor:
     return buf
 
 
+def _split_k_buffers(out: torch.Tensor, cfg: GemmConfig, tiles: int):
+    """``(partial, serial, ws, lock)`` of a launch over ``tiles`` output tiles into ``out`` [M, N]:
+    the fp32 split-K workspace (``out`` when unsplit) and the arrival counters (``ws`` when unused)."""
+    m, n = out.shape
+    partial = cfg.split_k > 1
+    serial = partial and cfg.serial_reduce
+    ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=out.device) if partial else out
+    lock = _tile_locks(out.device, tiles) if serial else ws
+    return partial, serial, ws, lock
+
+
+def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, has_bias: bool) -> None:
+    """Sum the split-K partials ``ws`` (+ bias) into ``out`` with a second kernel."""
+    total = out.shape[0] * out.shape[1]
+    block = 1024
+    _splitk_reduce_kernel[(triton.cdiv(total, block),)](
+        ws, bias, out, out.shape[1], total, total, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+    )
+
+
 def _scale_operand(weight: MXFP8Weight) -> torch.Tensor:
     """The scale bytes as the kernel reads them: int32 words for 128x4 tiles, else uint8."""
     s = weight.scale
@@ -945,11 +971,8 @@ def _launch(
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
     bias_t = bias if has_bias else out
-    partial = cfg.split_k > 1
-    serial = partial and cfg.serial_reduce
-    ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
     tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
-    lock = _tile_locks(x.device, tiles) if serial else ws
+    partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
     _mxfp8_gemm_kernel[(tiles, cfg.split_k)](
         a, weight.data, _scale_operand(weight), bias_t, out, ws, lock,
         m, n, k, a.stride(0), weight.data.stride(0), n, m * n, c, cp4, cfg.split_k,
@@ -960,11 +983,7 @@ def _launch(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial and not serial:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, bias_t, out, n, m * n, m * n, cfg.split_k,
-            HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
-        )
+        _reduce_splits(ws, bias_t, out, cfg, has_bias)
     return out
 
 
@@ -998,11 +1017,8 @@ def _launch_decode(
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
     bias_t = bias if has_bias else out
-    partial = cfg.split_k > 1
-    serial = partial and cfg.serial_reduce
     tiles = triton.cdiv(n, cfg.block_n)
-    ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
-    lock = _tile_locks(x.device, tiles) if serial else ws
+    partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
     _mxfp8_decode_kernel[(tiles, cfg.split_k)](
         x, xq, xc, weight.data, _scale_operand(weight), bias_t, out, ws, lock,
         m, n, k, x.stride(0), weight.data.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
@@ -1012,10 +1028,7 @@ def _launch_decode(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial and not serial:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, bias_t, out, n, m * n, m * n, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
-        )
+        _reduce_splits(ws, bias_t, out, cfg, has_bias)
     return out
 
 
@@ -1039,11 +1052,8 @@ def _launch_gemv(
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
     bias_t = bias if has_bias else out
-    partial = cfg.split_k > 1
-    serial = partial and cfg.serial_reduce
     tiles = triton.cdiv(n, cfg.block_n)
-    ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=x.device) if partial else out
-    lock = _tile_locks(x.device, tiles) if serial else ws
+    partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
     _mxfp8_gemv_kernel[(tiles, cfg.split_k)](
         a, wdata, _scale_operand(weight), bias_t, out, ws, lock,
         m, n, k, a.stride(0), wdata.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
@@ -1053,8 +1063,5 @@ def _launch_gemv(
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
     if partial and not serial:
-        block = 1024
-        _splitk_reduce_kernel[(triton.cdiv(m * n, block),)](
-            ws, bias_t, out, n, m * n, m * n, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
-        )
+        _reduce_splits(ws, bias_t, out, cfg, has_bias)
     return out
