@@ -60,6 +60,29 @@ def test_matches_reference(layout, m, n, k):
         _close(out, ref)
 
 
+def _scaled_case(x, q, code):
+    """Activations whose 32-blocks have very different scales, a bias, and the reference output."""
+    x = x * torch.logspace(-4, 4, x.shape[1]).bfloat16()
+    bias = torch.randn(q.shape[0])
+    return x, bias, reference_linear(x, q, code, bias)
+
+
+def _check_configs(configs, x, w, bias, ref):
+    """Every config whose K-tile divides K: each output element written, equal to ``ref`` up to
+    summation order, twice (the split-K arrival counters must have re-armed)."""
+    from mxfp8_convert.runtime.triton_mxfp8 import triton_linear
+
+    m, k = x.shape
+    for cfg in configs:
+        if k % cfg.block_k:
+            continue
+        for _ in range(2):
+            out = torch.full((m, ref.shape[1]), float("nan"), dtype=torch.bfloat16)
+            triton_linear(x, w, bias, out=out, config=cfg)
+            assert not out.isnan().any(), cfg
+            _close(out, ref)
+
+
 @interp
 @pytest.mark.parametrize("layout", ["trtllm", "cutlass", "canonical"])
 @pytest.mark.parametrize("m,n,k", [(1, 576, 512), (5, 224, 256), (16, 160, 1024)])
@@ -67,12 +90,10 @@ def test_decode_matches_reference(layout, m, n, k):
     """The decode kernel (FP8 dot per 32-block, scales applied to the accumulator): row gather,
     128x4 scale words (per 32-block, [BN, BK/128] tiles, split 256-wide tiles), N tail, fused and
     separate activation quantization, serial / two-kernel split-K."""
-    from mxfp8_convert.runtime.triton_mxfp8 import GemmConfig, decode_config, triton_linear
+    from mxfp8_convert.runtime.triton_mxfp8 import GemmConfig, decode_config
 
     w, q, code, x = _case(layout, m, n, k, seed=m)
-    x = x * torch.logspace(-4, 4, k).bfloat16()  # 32-blocks with very different scales
-    bias = torch.randn(n)
-    ref = reference_linear(x, q, code, bias)
+    x, bias, ref = _scaled_case(x, q, code)
     configs = [
         GemmConfig(64, 16, 128, split_k=1, fuse_quant=True, decode=True),
         GemmConfig(32, 16, 256, split_k=3, fuse_quant=False, serial_reduce=True, decode=True),
@@ -82,14 +103,7 @@ def test_decode_matches_reference(layout, m, n, k):
         GemmConfig(64, 16, 128, split_k=2, fuse_quant=False, decode=True),
         decode_config(m, n, k, torch.device("cpu")),
     ]
-    for cfg in configs:
-        if k % cfg.block_k:
-            continue
-        for _ in range(2):  # again: the arrival counters must have re-armed
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-            triton_linear(x, w, bias, out=out, config=cfg)
-            assert not out.isnan().any(), cfg
-            _close(out, ref)
+    _check_configs(configs, x, w, bias, ref)
 
 
 @interp
@@ -99,16 +113,14 @@ def test_gemv_matches_reference(layout, m, n, k):
     """The CUDA-core GEMV kernel (M <= 4): row gather, 128x4 scale words, N tail, int32-word and
     generic e4m3 conversion (all 256 byte values occur: subnormals, both signs), fused and
     separate activation quantization, serial / two-kernel split-K, bias."""
-    from mxfp8_convert.runtime.triton_mxfp8 import GemmConfig, gemv_config, triton_linear
+    from mxfp8_convert.runtime.triton_mxfp8 import GemmConfig, gemv_config
 
     w, q, code, x = _case(layout, m, n, k, seed=m)
     qb = q.view(torch.uint8)
     qb[:2].view(-1)[:256] = torch.arange(256, dtype=torch.uint8).masked_fill_(  # every e4m3 byte
         (torch.arange(256) & 0x7F) == 0x7F, 0)  # but the NaNs
     w = MXFP8Weight.from_canonical(q, code, layout)
-    x = x * torch.logspace(-4, 4, k).bfloat16()  # 32-blocks with very different scales
-    bias = torch.randn(n)
-    ref = reference_linear(x, q, code, bias)
+    x, bias, ref = _scaled_case(x, q, code)
     configs = [
         GemmConfig(32, 4, 256, split_k=1, fuse_quant=True, gemv=True),
         GemmConfig(64, 4, 128, split_k=3, fuse_quant=False, serial_reduce=True, gemv=True),
@@ -116,14 +128,7 @@ def test_gemv_matches_reference(layout, m, n, k):
         GemmConfig(16, 4, 512, split_k=2, fuse_quant=True, serial_reduce=True, gemv=True),
         gemv_config(m, n, k, torch.device("cpu")),
     ]
-    for cfg in configs:
-        if k % cfg.block_k:
-            continue
-        for _ in range(2):  # again: the arrival counters must have re-armed
-            out = torch.full((m, n), float("nan"), dtype=torch.bfloat16)
-            triton_linear(x, w, bias, out=out, config=cfg)
-            assert not out.isnan().any(), cfg
-            _close(out, ref)
+    _check_configs(configs, x, w, bias, ref)
 
 
 @interp
