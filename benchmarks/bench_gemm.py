@@ -2,7 +2,7 @@
 
 Run on the GPU (never collected by pytest):
 
-    python benchmarks/bench_gemm.py gemm  [--out DIR]   # model shapes x M, both layouts, vs bf16
+    python benchmarks/bench_gemm.py gemm  [--vs-tile] [--layouts L,..] [--out DIR]  # model shapes x M vs bf16
     python benchmarks/bench_gemm.py tune  [--out DIR]   # every candidate tile config per shape and M
     python benchmarks/bench_gemm.py load  [--out DIR]   # converted vs canonical+layout-at-load
     python benchmarks/bench_gemm.py decode [--sweep | --grid] [--out DIR]  # M <= 16: decode/GEMV kernels vs bf16
@@ -168,7 +168,9 @@ def peak_bf16() -> float:
     return 2 * 8192**3 / bench(lambda: a @ b) / 1e9
 
 
-def gemm_rows(shapes, ms, layouts=("trtllm", "cutlass"), config_fn=None) -> list[dict]:
+def gemm_rows(shapes, ms, layouts=("trtllm", "cutlass"), config_fn=None, alts=None) -> list[dict]:
+    """Rule config (or ``config_fn``) vs bf16 per shape, M and layout; ``alts``: name -> config
+    function of alternative configs timed in the same run (``alt`` entries of each row)."""
     from mxfp8_convert.runtime.triton_mxfp8 import choose_config, triton_linear
 
     rows = []
@@ -181,18 +183,43 @@ def gemm_rows(shapes, ms, layouts=("trtllm", "cutlass"), config_fn=None) -> list
             flops = 2 * m * n * k
             for lay, (w, q, code) in mx.items():
                 cfg = (config_fn or choose_config)(m, n, k, x.device)
-                out = triton_linear(x, w, config=cfg)
+                out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                triton_linear(x, w, out=out, config=cfg)
                 t = time_mx(x, w, cfg)
                 rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": lay, "ms": t,
                              "tflops": flops / t / 1e9, "bf16_ms": t_bf16, "bf16_tflops": flops / t_bf16 / 1e9,
-                             "ratio": t_bf16 / t, "rel_err": rel_err(out, x, q, code), "config": cfg.to_dict()})
+                             "ratio": t_bf16 / t, "rel_err": rel_err(out, x, q, code),
+                             "unwritten": int(out.isnan().sum()), "config": cfg.to_dict(), "alt": {}})
                 r = rows[-1]
-                print(f"{name:32s} M={m:5d} {lay:8s} {r['tflops']:7.1f} TF/s  bf16 {r['bf16_tflops']:7.1f}  "
-                      f"x{r['ratio']:.2f}  err {r['rel_err']:.1e}  {t * 1e3:8.1f} us", flush=True)
+                line = (f"{name:32s} M={m:5d} {lay:8s} {r['tflops']:7.1f} TF/s  bf16 {r['bf16_tflops']:7.1f}  "
+                        f"x{r['ratio']:.2f}  err {r['rel_err']:.1e}  {t * 1e3:8.1f} us")
+                for alt, fn in (alts or {}).items():
+                    acfg = fn(m, n, k, x.device)
+                    if acfg == cfg:
+                        continue
+                    t_alt = time_mx(x, w, acfg)
+                    r["alt"][alt] = {"ms": t_alt, "ratio": t_bf16 / t_alt, "config": acfg.to_dict()}
+                    line += f"  | {alt} x{t_bf16 / t_alt:.2f} {t_alt * 1e3:8.1f} us"
+                print(line + (f"  UNWRITTEN {r['unwritten']}" if r["unwritten"] else ""), flush=True)
             del x
         del wbf, mx
         torch.cuda.empty_cache()
     return rows
+
+
+def gemm_summary(rows: list[dict]) -> None:
+    """Per M: min / median / max ratio to bf16 and rows >= 0.5x, for the rule and each alternative."""
+    from statistics import median
+
+    for m in sorted({r["m"] for r in rows}):
+        rs = [r for r in rows if r["m"] == m]
+        series = {"rule": [r["ratio"] for r in rs]}
+        for r in rs:
+            for alt, a in r["alt"].items():
+                series.setdefault(alt, []).append(a["ratio"])
+        for label, v in series.items():
+            print(f"M={m:5d} {label:6s} min {min(v):.2f} median {median(v):.2f} max {max(v):.2f}  "
+                  f">=0.5x {sum(x >= 0.5 for x in v)}/{len(v)}  >=1.2x {sum(x >= 1.2 for x in v)}/{len(v)}")
 
 
 def candidates(m: int, n: int, k: int, sms: int = 132) -> list:
@@ -469,6 +496,11 @@ def main() -> None:
     p.add_argument("--grid", action="store_true", help="decode: time a grid of GEMV configs (M <= 4)")
     p.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--layouts", default="trtllm,cutlass", help="gemm: layouts to time (comma-separated)")
+    p.add_argument("--chunks", default="", help="gemm: also time the cuBLAS path with these workspaces "
+                   "(M elements, comma-separated)")
+    p.add_argument("--vs-tile", action="store_true",
+                   help="gemm: also time the tile kernel and the cuBLAS path where the rule is the other one")
     p.add_argument("--ms", default=",".join(map(str, MS)))
     args = p.parse_args()
     out = Path(args.out)
@@ -480,7 +512,20 @@ def main() -> None:
     if args.mode == "gemm":
         result["bf16_peak_tflops_8192"] = peak_bf16()
         print(f"bf16 8192^3: {result['bf16_peak_tflops_8192']:.1f} TF/s", flush=True)
-        result["rows"] = gemm_rows(shapes, [int(m) for m in args.ms.split(",")])
+        alts = {}
+        if args.vs_tile:
+            from mxfp8_convert.runtime.triton_mxfp8 import choose_config, cublas_config
+
+            alts["tile"] = lambda m, n, k, dev: choose_config(m, n, k, dev, cublas=False)
+            alts["cublas"] = cublas_config
+        for mel in filter(None, args.chunks.split(",")):
+            from mxfp8_convert.runtime.triton_mxfp8 import cublas_config
+
+            rows_of = lambda n, k, mel=int(mel): min(n, max(128, mel * 2**20 // k // 128 * 128))  # noqa: E731
+            alts[f"ws{mel}M"] = lambda m, n, k, dev, f=rows_of: cublas_config(m, n, k, dev, chunk_n=f(n, k))
+        result["rows"] = gemm_rows(shapes, [int(m) for m in args.ms.split(",")], tuple(args.layouts.split(",")),
+                                   alts=alts)
+        gemm_summary(result["rows"])
     elif args.mode == "decode":
         ms = [int(m) for m in args.ms.split(",")] if args.ms != ",".join(map(str, MS)) else list(DECODE_MS)
         layouts = ("trtllm", "cutlass")

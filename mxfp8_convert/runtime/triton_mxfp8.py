@@ -25,6 +25,16 @@ M <= 4 on large-N weights) runs ``_mxfp8_decode_kernel``: e4m3 weight and activa
 FP8 tensor-core MMAs untouched, one MMA per 32-block, and the two power-of-two scales multiply the
 fp32 partial products (benchmarks/NOTES_gemm.md, decode).
 
+M >= ``CUBLAS_MIN_M`` (:func:`cublas_config`) is compute-bound, and there the tile kernel's cost is
+that it dequantizes every weight tile once per M-tile. Instead the activations are quantized once
+(exact bf16), the weight is dequantized once by ``_dequantize_weight_kernel`` from the laid-out
+bytes (same gather and scale offsets, exact in bf16) into a transient bf16 workspace of at most
+``DEQUANT_WORKSPACE`` elements (larger weights go chunk by chunk, each chunk's output columns
+written in place), and cuBLAS multiplies with fp32 accumulation (torch's
+``allow_bf16_reduced_precision_reduction`` applies as to any bf16 matmul). The workspace goes back to
+torch's caching allocator after the call; the checkpoint's bytes remain the only resident copy
+of the weight.
+
 Rounding to e4m3 is done in fp32 arithmetic (the magic-number trick), not by a float8 cast: it is
 bit-exact RNE on every device and in Triton's interpreter, whose float8/bf16 casts truncate.
 In the interpreter (``TRITON_INTERPRET=1``, CPU tensors) the dot runs on float32 copies of the
@@ -628,6 +638,30 @@ def _mxfp8_gemv_kernel(
 
 
 # --------------------------------------------------------------------------------------------
+# Large M: the weight dequantized chunk by chunk, multiplied by cuBLAS
+# --------------------------------------------------------------------------------------------
+@triton.jit
+def _dequantize_weight_kernel(
+    w_ptr, s_ptr, out_ptr, N, n0, stride_wn, stride_on, scale_c, scale_cp4,
+    LAYOUT: tl.constexpr, DOT_BF16: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    """out[l - n0, k] = w[l, k] * 2^(code[l, k/32]-127) for logical rows l in [n0, N), in logical
+    row order, read from the laid-out bytes (the gather and scale offsets of the GEMM kernels).
+    Exact in bf16 (e4m3 has a 4-bit significand, UE8M0 scales are powers of two)."""
+    offs_n = n0 + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    kt = tl.program_id(1)
+    rows = tl.minimum(offs_n, N - 1)  # clamp the tail: loads stay in bounds, stores are masked
+    if LAYOUT == 1:  # trtllm: logical row l lives at physical row 32*(l//32) + 8*(l%4) + (l%32)//4
+        rows = (rows // 32) * 32 + 8 * (rows % 4) + (rows % 32) // 4
+    offs_k = tl.arange(0, BLOCK_K)
+    w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + kt * BLOCK_K + offs_k[None, :])
+    s_base = s_ptr + _scale_row_base(rows, scale_c, scale_cp4, LAYOUT)[:, None]
+    wd = _dequant_weight(w, _load_codes(s_base, kt, BLOCK_K, LAYOUT), BLOCK_N, BLOCK_K, DOT_BF16)
+    dst = (offs_n - n0).to(tl.int64)[:, None] * stride_on + kt * BLOCK_K + offs_k[None, :]
+    tl.store(out_ptr + dst, wd.to(out_ptr.dtype.element_ty), mask=(offs_n < N)[:, None])
+
+
+# --------------------------------------------------------------------------------------------
 # Host side
 # --------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True)
@@ -647,6 +681,8 @@ class GemmConfig:
     decode: bool = False  # M <= 16: the FP8-dot weight stream (_mxfp8_decode_kernel)
     gemv: bool = False  # M <= 4: the CUDA-core weight stream (_mxfp8_gemv_kernel)
     words: bool = True  # gemv: convert the weight bytes from int32 words with integer ops
+    cublas: bool = False  # large M: dequantize the weight chunk by chunk, bf16 GEMM by cuBLAS
+    chunk_n: int = 0  # cublas: weight rows dequantized per chunk (0: as many as the workspace holds)
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -768,7 +804,26 @@ def gemv_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None
     return gemv_config(m, n, k, device, fuse_quant=False, waves=2)
 
 
-def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool = True) -> GemmConfig:
+#: From this M on, dequantizing the weight once and multiplying with cuBLAS beat the tile kernel
+#: (which dequantizes every weight tile once per M-tile) on the H200: at M = 256 on 15 of 19 model
+#: shapes (median x0.51 vs x0.44 bf16), at M >= 512 on all; at M = 128 the tile kernel won
+#: (x0.56 vs x0.47). benchmarks/NOTES_gemm.md, "cuBLAS path".
+CUBLAS_MIN_M = 256
+#: Elements of the bf16 weight workspace of the cuBLAS path (128 MiB); larger weights go in chunks.
+#: Smaller workspaces (8-32 M elements, kept in L2) measured no faster, often slower.
+DEQUANT_WORKSPACE = 64 * 1024 * 1024
+
+
+def cublas_config(m: int, n: int, k: int, device: torch.device, *, chunk_n: int = 0) -> GemmConfig:
+    """Config of the cuBLAS path: 64 x 256 dequantization tiles, ``chunk_n`` rows per chunk
+    (default: the most multiple-of-128 rows whose bf16 copy fits :data:`DEQUANT_WORKSPACE`)."""
+    if not chunk_n:
+        chunk_n = min(n, max(128, DEQUANT_WORKSPACE // k // 128 * 128))
+    return GemmConfig(64, 0, _fit_block_k(k, 256), fuse_quant=False, cublas=True, chunk_n=chunk_n)
+
+
+def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool = True,
+                  cublas: bool = True) -> GemmConfig:
     """Tile choice by M bucket; rules fitted to sweeps on one H200 (benchmarks/NOTES_gemm.md).
 
     - :func:`gemv_rule` (M <= 2): the CUDA-core GEMV kernel.
@@ -778,9 +833,14 @@ def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool 
       small weights (< 40 M elements: one kernel, activations quantized inside the GEMM, the last
       CTA of each tile reduces the splits) and ~4 per SM for large ones (separate quantize and
       reduce kernels, which then cost less than the fused quantization's ALU work).
-    - M <= 1024: 128x128 tiles (64x64 when N <= 2048), split-K while < half the SMs are busy.
-    - larger: 128x256x64 tiles, 8 warps; split-K=2 when it fixes a poor last wave.
+    - M >= :data:`CUBLAS_MIN_M` (``cublas=False`` skips it): :func:`cublas_config`, the weight
+      dequantized exactly into a bounded bf16 workspace by our kernel, multiplied by cuBLAS.
+    - Otherwise (and with ``cublas=False``): M <= 1024: 128x128 tiles (64x64 when N <= 2048),
+      split-K while < half the SMs are busy; larger: 128x256x64 tiles, 8 warps, split-K=2 when it
+      fixes a poor last wave.
     """
+    if cublas and m >= CUBLAS_MIN_M:
+        return cublas_config(m, n, k, device)
     if decode and (cfg := gemv_rule(m, n, k, device)) is not None:
         return cfg
     if decode and use_decode(m, n, k, device):
@@ -967,6 +1027,8 @@ def _launch(
         return _launch_decode(x, weight, bias, out, cfg)
     if cfg.gemv:
         return _launch_gemv(x, weight, bias, out, cfg)
+    if cfg.cublas:
+        return _launch_cublas(x, weight, bias, out, cfg)
     a = x if cfg.fuse_quant else quantize_activations(x)["deq"]
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
@@ -1064,4 +1126,65 @@ def _launch_gemv(
     )
     if partial and not serial:
         _reduce_splits(ws, bias_t, out, cfg, has_bias)
+    return out
+
+
+def dequantize_weight(
+    weight: MXFP8Weight, start: int = 0, stop: int | None = None, *, out: torch.Tensor | None = None,
+    block_n: int = 64, block_k: int = 256,
+) -> torch.Tensor:
+    """Logical rows ``[start, stop)`` of ``weight`` as exact ``q * 2^(code-127)``, read from the
+    laid-out bytes by one Triton kernel (bf16 on CUDA, float32 under the interpreter).
+
+    Args:
+        weight: trtllm, cutlass or canonical :class:`MXFP8Weight`.
+        start, stop: logical row range (default: every row).
+        out: optional ``[stop - start, K]`` tensor with unit K stride to write into.
+        block_n, block_k: tile of one program (``block_k`` is fitted to K).
+
+    Returns:
+        ``[stop - start, K]`` (``out`` when given).
+    """
+    _check_device(weight.data)
+    n, k = weight.shape
+    stop = n if stop is None else stop
+    if not 0 <= start <= stop <= n:
+        raise LayoutError(f"{weight.name or 'weight'}: row range [{start}, {stop}) outside [0, {n})")
+    dtype = torch.bfloat16 if weight.data.device.type == "cuda" else torch.float32
+    if out is None:
+        out = torch.empty((stop - start, k), dtype=dtype, device=weight.data.device)
+    elif out.shape != (stop - start, k) or out.stride(1) != 1:
+        raise LayoutError(f"out must be [{stop - start}, {k}] with unit K stride, got {list(out.shape)}")
+    if stop == start:
+        return out
+    bk = _fit_block_k(k, block_k)
+    c, cp4 = _scale_geometry(weight)
+    grid = (triton.cdiv(stop - start, block_n), k // bk)
+    _dequantize_weight_kernel[grid](
+        weight.data, _scale_operand(weight), out, stop, start, weight.data.stride(0), out.stride(0), c, cp4,
+        LAYOUT=LAYOUT_CODE[weight.layout], DOT_BF16=out.dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_K=bk,
+        num_warps=4,
+    )
+    return out
+
+
+def _launch_cublas(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+) -> torch.Tensor:
+    """Activations quantized once; per chunk of ``cfg.chunk_n`` weight rows, the rows dequantized
+    into one reused workspace and ``out[:, chunk] = A @ Wd.T (+ bias)`` by cuBLAS (fp32
+    accumulation; strided ``out`` column slices are written in place)."""
+    n, k = weight.shape
+    a = quantize_activations(x)["deq"]
+    chunk = min(cfg.chunk_n or n, n)
+    ws = torch.empty((chunk, k), dtype=a.dtype, device=x.device)
+    if bias is not None:
+        bias = bias.to(out.dtype)  # added in fp32 by cuBLAS; a non-bf16 bias is rounded to bf16 first
+    for n0 in range(0, n, chunk):
+        n1 = min(n0 + chunk, n)
+        wd = dequantize_weight(weight, n0, n1, out=ws[: n1 - n0], block_n=cfg.block_n, block_k=cfg.block_k)
+        if bias is None:
+            torch.mm(a, wd.t(), out=out[:, n0:n1])
+        else:
+            torch.addmm(bias[n0:n1], a, wd.t(), out=out[:, n0:n1])
     return out

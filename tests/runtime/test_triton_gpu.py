@@ -147,6 +147,49 @@ def test_gemv_configs_agree(layout, m):
             assert rel_err(out, ref) <= 1e-2, cfg
 
 
+@pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
+def test_cublas_path_agrees(layout, bias_dtype):
+    """The large-M path (weight dequantized by our kernel, bf16 GEMM by cuBLAS): one chunk,
+    chunks of 128 rows and of 1000 rows (576 = 4.5 x 128: an N tail in every case, output
+    column slices written in place), bias, twice (the workspace is reused)."""
+    tri = _triton()
+    n, k, m = 576 * 3, 7168, 1100
+    w, q, code = random_weight(n, k, layout, seed=17)
+    bias = None if bias_dtype is None else torch.randn(n, device="cuda", dtype=bias_dtype)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+    if bias is not None:
+        ref += bias.to(torch.bfloat16).double()
+    dev = torch.device("cuda")
+    assert torch.equal(tri.dequantize_weight(w).float(), dequantize_mxfp8(q, code))
+    assert torch.equal(tri.dequantize_weight(w, 37, 901).float(), dequantize_mxfp8(q, code)[37:901])
+    for chunk in (0, 128, 1000):
+        cfg = tri.cublas_config(m, n, k, dev, chunk_n=chunk)
+        for _ in range(2):
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            tri.triton_linear(x, w, bias, out=out, config=cfg)
+            assert not out.isnan().any(), cfg
+            assert rel_err(out, ref) <= 1e-2, cfg
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("name,n,k", MODEL_SHAPES[::3], ids=[s[0] for s in MODEL_SHAPES[::3]])
+def test_tile_kernel_at_large_m(name, n, k, layout):
+    """The tile kernel stays valid at M >= CUBLAS_MIN_M (``choose_config(..., cublas=False)``)."""
+    tri = _triton()
+    m = 2048
+    w, q, code = random_weight(n, k, layout, seed=n + k)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    cfg = tri.choose_config(m, n, k, x.device, cublas=False)
+    assert not cfg.cublas
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    tri.triton_linear(x, w, out=out, config=cfg)
+    assert not out.isnan().any()
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+    assert rel_err(out, ref) <= 1e-2
+
+
 def test_decode_is_the_rule_where_measured_faster():
     tri = _triton()
     if torch.cuda.get_device_capability() < (8, 9):

@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.runtime import MXFP8Weight, mxfp8_linear, quantize_mxfp8, reference_linear
 from tests.runtime.interpreter import interp, run_interpreter_suite
 
@@ -166,6 +167,63 @@ def test_gemv_is_the_rule_for_one_or_two_rows():
         assert not choose_config(m, *mid, cpu).gemv
     assert not choose_config(1, *mid, cpu, decode=False).gemv  # the tile kernel, for comparisons
     assert not choose_config(1, 576, 160, cpu).gemv  # K % 128 != 0: the tile kernel
+
+
+@interp
+@pytest.mark.parametrize("layout", ["trtllm", "cutlass", "canonical"])
+@pytest.mark.parametrize("n,k", [(576, 512), (224, 256), (160, 1024)])
+def test_dequantize_weight_matches_reference(layout, n, k):
+    """The cuBLAS path's weight dequantization from the laid-out bytes: every e4m3 byte value,
+    scales far apart, every row and sub-ranges that cut P32 groups and 128-row scale tiles."""
+    from mxfp8_convert.runtime.reference import dequantize_mxfp8
+    from mxfp8_convert.runtime.triton_mxfp8 import dequantize_weight
+
+    w, q, code, _ = _case(layout, 1, n, k, seed=n)
+    q.view(torch.uint8)[:2].view(-1)[:256] = torch.arange(256, dtype=torch.uint8).masked_fill_(
+        (torch.arange(256) & 0x7F) == 0x7F, 0)  # every e4m3 byte but the NaNs
+    code[:, ::2] -= 40
+    code[:, 1::3] += 60
+    w = MXFP8Weight.from_canonical(q, code, layout)
+    ref = dequantize_mxfp8(q, code)
+    assert torch.equal(dequantize_weight(w), ref)
+    for start, stop in ((37, 101), (0, 31), (n - 33, n), (129, 129)):
+        assert torch.equal(dequantize_weight(w, start, stop), ref[start:stop])
+    out = torch.full((2 * n, k), float("nan"))[::2]  # a strided row view
+    dequantize_weight(w, out=out)
+    assert torch.equal(out, ref)
+    with pytest.raises(LayoutError, match=r"row range \[5, 3\)"):
+        dequantize_weight(w, 5, 3)
+
+
+@interp
+@pytest.mark.parametrize("layout", ["trtllm", "cutlass", "canonical"])
+@pytest.mark.parametrize("m,n,k", [(19, 576, 512), (3, 160, 1024)])
+def test_cublas_path_matches_reference(layout, m, n, k):
+    """Large M: activations quantized once, the weight dequantized chunk by chunk (one chunk,
+    128-row chunks, chunks that are not a multiple of 32 rows), products written into column
+    slices of the output, bias."""
+    from mxfp8_convert.runtime.triton_mxfp8 import cublas_config
+
+    w, q, code, x = _case(layout, m, n, k, seed=m)
+    x, bias, ref = _scaled_case(x, q, code)
+    cpu = torch.device("cpu")
+    configs = [cublas_config(m, n, k, cpu, chunk_n=c) for c in (0, 128, 100)]
+    _check_configs(configs, x, w, bias, ref)
+
+
+def test_cublas_is_the_rule_from_min_m():
+    """The dispatch measured on the H200: M >= CUBLAS_MIN_M -> the cuBLAS path, with chunks of
+    whole 128-row groups that fit the workspace; below, and with cublas=False, the tile kernel."""
+    from mxfp8_convert.runtime.triton_mxfp8 import CUBLAS_MIN_M, DEQUANT_WORKSPACE, choose_config
+
+    cpu = torch.device("cpu")
+    assert not choose_config(CUBLAS_MIN_M - 1, 4096, 4096, cpu).cublas
+    for m in (CUBLAS_MIN_M, 8192):
+        cfg = choose_config(m, 4096, 4096, cpu)
+        assert cfg.cublas and cfg.chunk_n == 4096  # fits: one chunk
+        assert not choose_config(m, 4096, 4096, cpu, cublas=False).cublas
+    big = choose_config(8192, 18432, 7168, cpu)
+    assert big.chunk_n % 128 == 0 and big.chunk_n * 7168 <= DEQUANT_WORKSPACE < (big.chunk_n + 128) * 7168
 
 
 @interp
