@@ -314,6 +314,14 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
     if not sweep:
         return out
     out["old"] = choose_config(m, n, k, dev, decode=False)
+    if sweep == "wgmma":  # the Gluon kernel: TMA ring depth x programs per SM
+        from mxfp8_convert.runtime.triton_mxfp8 import wgmma_config
+
+        for stages in (2, 3):
+            for waves in (1, 2, 3, 4):
+                out[f"wg.s{stages}.w{waves}"] = wgmma_config(m, n, k, dev, stages=stages, waves=waves)
+        out["wg.s3.w2.red"] = wgmma_config(m, n, k, dev, waves=2, serial_reduce=False)
+        return out
     d = lambda **kw: decode_config(m, n, k, dev, **kw)  # noqa: E731
     out["dec.b64.w2"] = d(waves=2)  # the decode kernel (FP8 wgmma per 32-block)
     g = lambda **kw: gemv_config(m, n, k, dev, **kw)  # noqa: E731
@@ -493,6 +501,7 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("mode", choices=["gemm", "tune", "load", "decode", "quant"])
     p.add_argument("--sweep", action="store_true", help="decode: time alternative configs too")
+    p.add_argument("--wgmma", action="store_true", help="decode: time the Gluon wgmma kernel's configs")
     p.add_argument("--grid", action="store_true", help="decode: time a grid of GEMV configs (M <= 4)")
     p.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -529,7 +538,8 @@ def main() -> None:
     elif args.mode == "decode":
         ms = [int(m) for m in args.ms.split(",")] if args.ms != ",".join(map(str, MS)) else list(DECODE_MS)
         layouts = ("trtllm", "cutlass")
-        result["rows"] = decode_rows(shapes, ms, layouts, "grid" if args.grid else args.sweep)
+        sweep = "grid" if args.grid else "wgmma" if args.wgmma else args.sweep
+        result["rows"] = decode_rows(shapes, ms, layouts, sweep)
         (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
         decode_summary(result["rows"])
     elif args.mode == "quant":

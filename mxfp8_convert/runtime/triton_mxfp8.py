@@ -682,6 +682,7 @@ class GemmConfig:
     gemv: bool = False  # M <= 4: the CUDA-core weight stream (_mxfp8_gemv_kernel)
     words: bool = True  # gemv: convert the weight bytes from int32 words with integer ops
     cublas: bool = False  # large M: dequantize the weight chunk by chunk, bf16 GEMM by cuBLAS
+    wgmma: bool = False  # M <= 16: the Gluon kernel, FP8 wgmma per 32-block, four in flight
     chunk_n: int = 0  # cublas: weight rows dequantized per chunk (0: as many as the workspace holds)
 
     def to_dict(self) -> dict:
@@ -771,6 +772,42 @@ def gemv_config(m: int, n: int, k: int, device: torch.device, *, block_n: int = 
                       num_warps=num_warps, num_stages=1, serial_reduce=serial_reduce, gemv=True, words=words)
 
 
+def _gluon():
+    """The Gluon module, or None where Gluon (Triton >= 3.6's ``triton.experimental.gluon``) is missing."""
+    try:
+        from mxfp8_convert.runtime import gluon_mxfp8
+    except ImportError:
+        return None
+    return gluon_mxfp8
+
+
+def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 2, waves: float = 3.0,
+                 serial_reduce: bool = True) -> GemmConfig:
+    """Config of the Gluon wgmma decode kernel: 64 physical weight rows per program, 128-wide
+    K-tiles in a ring of ``stages`` TMA buffers, split-K up to ~``waves`` x SMs programs (none when
+    the row tiles alone fill 2.5 waves: measured faster on DeepSeek q_b/kv_b), summed by the last
+    program of each row tile (``serial_reduce``) or by a second kernel."""
+    sms = _num_sms(device)
+    tiles = triton.cdiv(n, 64)
+    k_tiles = k // 128
+    split = 1 if tiles >= 2.5 * sms else max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
+    split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
+    return GemmConfig(64, 16, 128, split_k=split, fuse_quant=False, num_warps=4, num_stages=stages,
+                      serial_reduce=serial_reduce, wgmma=True)
+
+
+def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
+    """The Gluon wgmma kernel's config where it measured fastest on the H200
+    (benchmarks/NOTES_gemm.md, "Gluon wgmma kernel"), else None: Hopper with Gluon, K % 128 == 0,
+    and weights of at least 32 M elements at M = 1 (below, the GEMV kernel), 8 M at M = 2..8 and
+    16 M at M = 9..16 (below, its two launches cost more than they save)."""
+    if m > 16 or k % 128 or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
+        return None
+    if n * k < (32_000_000 if m == 1 else 8_000_000 if m <= 8 else 16_000_000) or _gluon() is None:
+        return None
+    return wgmma_config(m, n, k, device)
+
+
 def use_decode(m: int, n: int, k: int, device: torch.device) -> bool:
     """Where the decode kernel beat the tile kernel on the H200 (benchmarks/NOTES_gemm.md, decode
     section, run 2): M <= 4 on weights with enough 64-row tiles for two waves without split-K and
@@ -823,9 +860,11 @@ def cublas_config(m: int, n: int, k: int, device: torch.device, *, chunk_n: int 
 
 
 def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool = True,
-                  cublas: bool = True) -> GemmConfig:
+                  cublas: bool = True, wgmma: bool = True) -> GemmConfig:
     """Tile choice by M bucket; rules fitted to sweeps on one H200 (benchmarks/NOTES_gemm.md).
 
+    - :func:`wgmma_rule` (M <= 16, large weights, Hopper; ``wgmma=False`` skips it): the Gluon
+      kernel, FP8 wgmma per 32-block with four in flight, weights and activations by TMA.
     - :func:`gemv_rule` (M <= 2): the CUDA-core GEMV kernel.
     - :func:`use_decode` (M <= 4 on large-N weights): the decode kernel, one FP8 MMA per 32-block
       (``decode=False`` skips these two, for comparisons).
@@ -841,6 +880,8 @@ def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool 
     """
     if cublas and m >= CUBLAS_MIN_M:
         return cublas_config(m, n, k, device)
+    if decode and wgmma and (cfg := wgmma_rule(m, n, k, device)) is not None:
+        return cfg
     if decode and (cfg := gemv_rule(m, n, k, device)) is not None:
         return cfg
     if decode and use_decode(m, n, k, device):
@@ -1019,6 +1060,8 @@ def _launch(
     m, k = x.shape
     n = weight.shape[0]
     cfg = config or choose_config(m, n, k, x.device)
+    if cfg.wgmma and config is None and not _gluon().supported(weight, k):
+        cfg = choose_config(m, n, k, x.device, wgmma=False)  # e.g. canonical or unaligned weight bytes
     if k % cfg.block_k:
         raise LayoutError(f"block_k={cfg.block_k} does not divide K={k}")
     if x.stride(1) != 1:
@@ -1029,6 +1072,8 @@ def _launch(
         return _launch_gemv(x, weight, bias, out, cfg)
     if cfg.cublas:
         return _launch_cublas(x, weight, bias, out, cfg)
+    if cfg.wgmma:
+        return _launch_wgmma(x, weight, bias, out, cfg)
     a = x if cfg.fuse_quant else quantize_activations(x)["deq"]
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
@@ -1057,6 +1102,34 @@ def _scale_tile(weight: MXFP8Weight, block_k: int) -> int:
     return 2 if block_k == 256 else 1
 
 
+def _quantize_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 bytes ``[M, K]`` and int32 codes ``[M, K/32]`` of ``x`` (32-bit code loads pipeline)."""
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    xc = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
+    bk = min(128, triton.next_power_of_2(k))
+    _quantize_kernel[(triton.cdiv(m, 16), triton.cdiv(k, bk))](
+        x, x, xq, xc, m, k, x.stride(0), WRITE_DEQ=False, WRITE_Q=True, BLOCK_M=16, BLOCK_K=bk, num_warps=4)
+    return xq.view(torch.float8_e4m3fn), xc
+
+
+def _launch_wgmma(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+) -> torch.Tensor:
+    """Activation quantization, the Gluon wgmma decode kernel, and the split-K reduction."""
+    gluon = _gluon()
+    if gluon is None:
+        raise LayoutError("the wgmma decode kernel needs Triton's Gluon (triton >= 3.6)")
+    xq, xc = _quantize_codes(x)
+    has_bias = bias is not None
+    partial, serial, ws, lock = _split_k_buffers(out, cfg, triton.cdiv(weight.shape[0], cfg.block_n))
+    gluon.wgmma_decode(xq, xc, weight, bias, out, ws if partial else None, lock if serial else None,
+                       split_k=cfg.split_k, stages=cfg.num_stages, num_warps=cfg.num_warps)
+    if partial and not serial:
+        _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias)
+    return out
+
+
 def _launch_decode(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
 ) -> torch.Tensor:
@@ -1067,15 +1140,7 @@ def _launch_decode(
         raise LayoutError(f"the decode kernel serves M <= block_m={cfg.block_m}, got M={m}")
     if cfg.block_k % 32 or k % cfg.block_k:
         raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
-    if cfg.fuse_quant:
-        xq = xc = x
-    else:  # e4m3 bytes and int32 codes (32-bit loads, which Triton pipelines)
-        xq = torch.empty((m, k), dtype=torch.uint8, device=x.device)
-        xc = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
-        bk = min(128, triton.next_power_of_2(k))
-        _quantize_kernel[(triton.cdiv(m, 16), triton.cdiv(k, bk))](
-            x, x, xq, xc, m, k, x.stride(0), WRITE_DEQ=False, WRITE_Q=True, BLOCK_M=16, BLOCK_K=bk, num_warps=4)
-        xq = xq.view(torch.float8_e4m3fn)
+    xq, xc = (x, x) if cfg.fuse_quant else _quantize_codes(x)
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
     bias_t = bias if has_bias else out

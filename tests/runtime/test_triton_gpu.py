@@ -147,6 +147,31 @@ def test_gemv_configs_agree(layout, m):
             assert rel_err(out, ref) <= 1e-2, cfg
 
 
+@pytest.mark.parametrize("layout,n", [("trtllm", 576), ("trtllm", 544), ("cutlass", 544)])
+@pytest.mark.parametrize("m", [1, 5, 9, 16])
+def test_wgmma_configs_agree(layout, n, m):
+    """The Gluon wgmma decode kernel: 8- and 16-column MMAs (M <= 8 / <= 16), TMA ring depths,
+    split-K with the serial (last program) and the two-kernel reduction, N tail (544 = 8.5 x 64:
+    TMA zero-fills rows past N), physical-to-logical row mapping on the store (trtllm), bias;
+    each config twice (the arrival counters must re-arm)."""
+    tri = _triton()
+    if tri._gluon() is None:
+        pytest.skip("Triton's Gluon is not installed")
+    k = 7168
+    w, q, code = random_weight(n, k, layout, seed=23 + m)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
+    dev = torch.device("cuda")
+    for stages, waves, serial in ((3, 2, True), (2, 0.01, True), (6, 4, True), (3, 2, False)):
+        cfg = tri.wgmma_config(m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial)
+        for _ in range(2):
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            tri.triton_linear(x, w, bias, out=out, config=cfg)
+            assert not out.isnan().any(), cfg
+            assert rel_err(out, ref) <= 1e-2, cfg
+
+
 @pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
 def test_cublas_path_agrees(layout, bias_dtype):
@@ -195,11 +220,32 @@ def test_decode_is_the_rule_where_measured_faster():
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores need SM89+")
     dev = torch.device("cuda")
-    assert tri.choose_config(3, 24576, 1536, dev).decode  # DeepSeek q_b_proj
-    assert tri.choose_config(4, 18432, 7168, dev).decode  # DeepSeek mlp.gate_up_proj
-    assert not tri.choose_config(16, 18432, 7168, dev).decode
-    assert not tri.choose_config(4, 4096, 4096, dev).decode
-    assert tri.choose_config(1, 24576, 1536, dev).gemv  # M <= 2: the GEMV kernel
+    assert tri.choose_config(3, 24576, 1536, dev, wgmma=False).decode  # DeepSeek q_b_proj
+    assert tri.choose_config(4, 18432, 7168, dev, wgmma=False).decode  # DeepSeek mlp.gate_up_proj
+    assert not tri.choose_config(16, 18432, 7168, dev, wgmma=False).decode
+    assert not tri.choose_config(4, 4096, 4096, dev, wgmma=False).decode
+    assert tri.choose_config(1, 9728, 2560, dev).gemv  # M = 1 below 32 M elements: the GEMV kernel
+
+
+def test_wgmma_is_the_rule_where_measured_faster():
+    """On Hopper with Gluon: the wgmma kernel for M <= 16 on large weights; small weights keep the
+    GEMV (M <= 2) and tile kernels; a weight the kernel cannot read by TMA falls back."""
+    tri = _triton()
+    if torch.cuda.get_device_capability()[0] != 9 or tri._gluon() is None:
+        pytest.skip("needs Hopper and Triton's Gluon")
+    dev = torch.device("cuda")
+    assert tri.choose_config(1, 18432, 7168, dev).wgmma
+    assert not tri.choose_config(1, 4096, 4096, dev).wgmma and tri.choose_config(1, 4096, 4096, dev).gemv
+    for m in (2, 8):
+        assert tri.choose_config(m, 2560, 4096, dev).wgmma  # 10.5 M elements
+        assert not tri.choose_config(m, 1024, 4096, dev).wgmma
+    assert tri.choose_config(16, 4096, 4096, dev).wgmma and not tri.choose_config(16, 2560, 4096, dev).wgmma
+    assert not tri.choose_config(17, 18432, 7168, dev).wgmma
+    w, q, code = random_weight(4096, 4096, "canonical", seed=2)  # no 128x4 scale words: falls back
+    x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
+    out = tri.triton_linear(x, w)
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+    assert rel_err(out, ref) <= 1e-2
 
 
 def test_auto_engine_is_triton_on_hopper():

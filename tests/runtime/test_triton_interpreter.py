@@ -211,6 +211,15 @@ def test_cublas_path_matches_reference(layout, m, n, k):
     _check_configs(configs, x, w, bias, ref)
 
 
+def test_wgmma_rule_needs_a_hopper_gpu():
+    """The Gluon kernel has no CPU interpreter: off a CUDA device the rule never picks it."""
+    from mxfp8_convert.runtime.triton_mxfp8 import choose_config, wgmma_rule
+
+    cpu = torch.device("cpu")
+    assert wgmma_rule(4, 18432, 7168, cpu) is None
+    assert not any(choose_config(m, 18432, 7168, cpu).wgmma for m in (1, 2, 4, 16))
+
+
 def test_cublas_is_the_rule_from_min_m():
     """The dispatch measured on the H200: M >= CUBLAS_MIN_M -> the cuBLAS path, with chunks of
     whole 128-row groups that fit the workspace; below, and with cublas=False, the tile kernel."""
