@@ -774,6 +774,8 @@ def gemv_config(m: int, n: int, k: int, device: torch.device, *, block_n: int = 
 
 def _gluon():
     """The Gluon module, or None where Gluon (Triton >= 3.6's ``triton.experimental.gluon``) is missing."""
+    if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 6):
+        return None  # Gluon's Hopper API before 3.6 differs from the one the kernel is written for
     try:
         from mxfp8_convert.runtime import gluon_mxfp8
     except ImportError:
