@@ -51,7 +51,7 @@ BLOCK_K = 128  # K per pipeline stage: four 32-blocks, one 128x4 scale word per 
 @gluon.jit
 def _pow2_f32(e_field):
     """fp32 ``2^(e_field - 127)`` for e_field in 0..254 (0 gives the subnormal 2^-127); the Gluon
-    twin of ``triton_mxfp8._pow2_f32`` (a Gluon kernel calls ``gluon.jit`` functions)."""
+    twin of ``triton_mxfp8._pow2_f32``, kept as a Gluon function next to the kernel that uses it."""
     bits = gl.where(e_field <= 0, 0x400000, e_field << 23)
     return bits.to(gl.float32, bitcast=True)
 
