@@ -315,12 +315,18 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
         return out
     out["old"] = choose_config(m, n, k, dev, decode=False)
     if sweep == "wgmma":  # the Gluon kernel: TMA ring depth x programs per SM
-        from mxfp8_convert.runtime.triton_mxfp8 import wgmma_config
+        from mxfp8_convert.runtime.triton_mxfp8 import gemv_rule, wgmma_config
 
-        for stages in (2, 3):
-            for waves in (1, 2, 3, 4):
-                out[f"wg.s{stages}.w{waves}"] = wgmma_config(m, n, k, dev, stages=stages, waves=waves)
-        out["wg.s3.w2.red"] = wgmma_config(m, n, k, dev, waves=2, serial_reduce=False)
+        variants = {  # name: (quantization inside the kernel, ring depth, scale words ahead, waves)
+            "sq.s2a1.w3": (False, 2, 1, 3), "sq.s2a1.w4": (False, 2, 1, 4), "sq.s2a2.w4": (False, 2, 2, 4),
+            "sq.s3a3.w3": (False, 3, 3, 3), "fq.s2a1.w2": (True, 2, 1, 2), "fq.s2a2.w2": (True, 2, 2, 2),
+            "fq.s2a2.w3": (True, 2, 2, 3), "fq.s3a3.w2": (True, 3, 3, 2),
+        }
+        for vname, (fuse, stages, ahead, waves) in variants.items():
+            out["wg." + vname] = wgmma_config(m, n, k, dev, stages=stages, waves=waves, fuse_quant=fuse,
+                                              sw_ahead=ahead)
+        if (gemv := gemv_rule(m, n, k, dev)) is not None:
+            out["gemv"] = gemv
         return out
     d = lambda **kw: decode_config(m, n, k, dev, **kw)  # noqa: E731
     out["dec.b64.w2"] = d(waves=2)  # the decode kernel (FP8 wgmma per 32-block)
@@ -349,6 +355,31 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
             "gemv.b32.cvt.nofuse": g(words=False, fuse_quant=False),
         })
     return out
+
+
+def _read_calls(ws, block: int, iters: int):
+    """Calls of a kernel that only reads the weight bytes (int32 words, ``block`` x ``iters`` per
+    program) and writes one word per program: the time floor of any kernel streaming them."""
+    import triton
+    import triton.language as tl
+
+    global _read_kernel
+    if "_read_kernel" not in globals():
+
+        @triton.jit
+        def _read_kernel(p, out, n_words, BLOCK: tl.constexpr, ITERS: tl.constexpr):
+            base = tl.program_id(0).to(tl.int64) * BLOCK * ITERS
+            acc = tl.zeros([BLOCK], tl.int32)
+            for it in tl.static_range(ITERS):
+                offs = base + it * BLOCK + tl.arange(0, BLOCK)
+                acc ^= tl.load(p + offs, mask=offs < n_words, other=0)
+            tl.store(out + tl.program_id(0), tl.sum(acc, 0))
+
+    words = [w.data.view(torch.int32).view(-1) for w in ws]
+    grid = triton.cdiv(words[0].numel(), block * iters)
+    sink = torch.empty(grid, dtype=torch.int32, device=words[0].device)
+    return lambda i: (lambda: _read_kernel[(grid,)](words[i], sink, words[i].numel(), BLOCK=block, ITERS=iters,
+                                                    num_warps=8))
 
 
 def _linear_calls(xs, wbfs):
@@ -382,6 +413,13 @@ def decode_rows(shapes, ms, layouts, sweep: bool | str) -> list[dict]:
             xs = [x.clone() for _ in range(max(c_bf, c_mx))]
             ref = fake_quantize_mxfp8(x).double() @ wref
             t_bf16 = time_graph(_linear_calls(xs, wbfs), c_bf)
+            if sweep == "wgmma":  # the floor: a kernel that only reads the fp8 weight bytes
+                t_read = min(time_graph(_read_calls(ws[layouts[0]], b, it), c_mx) for b, it in ((2048, 1), (4096, 4)))
+                rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": "-", "variant": "read-only",
+                             "us": t_read * 1e3, "bf16_us": t_bf16 * 1e3, "ratio": t_bf16 / t_read,
+                             "rel_err": 0.0, "unwritten": 0, "weight_tbps": n * k / t_read / 1e9})
+                print(f"{name:32s} M={m:3d} reading the fp8 weight alone {t_read * 1e3:8.1f} us  "
+                      f"bf16 {t_bf16 * 1e3:8.1f} us  x{t_bf16 / t_read:.2f} (the ceiling)", flush=True)
             for lay in layouts:
                 for vname, cfg in decode_variants(m, n, k, sweep).items():
                     if lay != layouts[0] and vname not in ("rule", "old"):
@@ -422,11 +460,13 @@ def decode_summary(rows: list[dict]) -> None:
     worst = {}
     for (shape, m), rs in groups.items():
         rule = {r["layout"]: r["ratio"] for r in rs if r["variant"] == "rule"}
+        ceiling = next((r["ratio"] for r in rs if r["variant"] == "read-only"), None)
         tr = [r for r in rs if r["layout"] == "trtllm"]
         best = max(tr, key=lambda r: r["ratio"]) if tr else None
         worst[m] = min(worst.get(m, 9.9), *rule.values()) if rule else worst.get(m, 9.9)
         print(f"{shape:32s} {m:3d} | " + " / ".join(f"x{rule[lay]:.2f}" for lay in rule)
-              + (f" | {best['variant']} x{best['ratio']:.2f} ({best['us']:.1f} us)" if best else ""))
+              + (f" | {best['variant']} x{best['ratio']:.2f} ({best['us']:.1f} us)" if best else "")
+              + (f" | read-only x{ceiling:.2f}" if ceiling else ""))
     errs = [r["rel_err"] for r in rows]
     print(f"rel err: max {max(errs):.2e}; unwritten total {sum(r['unwritten'] for r in rows)}; "
           f"worst rule ratio per M: {worst}")

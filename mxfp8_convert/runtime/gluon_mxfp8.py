@@ -8,6 +8,14 @@ four fresh accumulators, and each is waited for and rescaled while the later one
 the weight and activation bytes come in by TMA through a ring of ``STAGES`` shared-memory
 buffers, so loads for later tiles are in flight during the MMAs.
 
+Activations come either as e4m3 bytes (from ``quantize_activations``, by TMA into the ring) or
+as bf16, quantized inside the kernel (``FUSE_QUANT``: one launch instead of two, which pays off on
+the smaller weights): each program loads the bf16 K-tile it needs, rounds it exactly as
+``mxfp8_quantize`` does (the shared ``triton_mxfp8`` helpers), stores the e4m3 tile to shared
+memory, fences it for the async proxy and meets the other warps at a barrier before the wgmma
+reads it; this happens while the tile's weight bytes are still on their way. The weight scale
+words come from DRAM, so they are loaded up to three K-tiles ahead (``SW_AHEAD``).
+
 Numerics are those of the decode kernel: ``part = Wq[rows, b] @ Xq[:, b]^T`` on e4m3 operands
 (exact products, fp32 sums), ``acc += part * 2^(cw-127) * 2^(cx-127)``.
 
@@ -27,6 +35,7 @@ import triton
 from triton.experimental import gluon
 from triton.experimental.gluon import language as gl
 from triton.experimental.gluon.language.nvidia.hopper import (
+    fence_async_shared,
     mbarrier,
     tma,
     warpgroup_mma,
@@ -35,6 +44,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfp8_convert.errors import LayoutError
+from mxfp8_convert.runtime.triton_mxfp8 import _round_e4m3, _ue8m0_code
 from mxfp8_convert.runtime.weight import MXFP8Weight
 
 # TMA global->shared load: ``async_load`` since Triton 3.7, ``async_copy_global_to_shared`` before
@@ -57,37 +67,64 @@ def _pow2_f32(e_field):
 
 
 @gluon.jit
-def _issue_tile(w_desc, x_desc, w_s, x_s, bar, stage, p0, k0, pred):
-    """TMA loads of one K-tile: a [BN, 128] box of weight rows and a [BM, 128] box of activations."""
-    mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=pred)
+def _issue_tile(w_desc, x_desc, w_s, x_s, bar, stage, p0, k0, pred, LOAD_X: gl.constexpr):
+    """TMA loads of one K-tile: a [BN, 128] box of weight rows and (``LOAD_X``) a [BM, 128] box of
+    quantized activations."""
+    if LOAD_X:
+        mbarrier.expect(bar, w_desc.block_type.nbytes + x_desc.block_type.nbytes, pred=pred)
+        _tma_load(x_desc, [0, k0], bar, x_s.index(stage), pred=pred)
+    else:
+        mbarrier.expect(bar, w_desc.block_type.nbytes, pred=pred)
     _tma_load(w_desc, [p0, k0], bar, w_s.index(stage), pred=pred)
-    _tma_load(x_desc, [0, k0], bar, x_s.index(stage), pred=pred)
 
 
 @gluon.jit
-def _part(w_s, x_s, stage, zero, j: gl.constexpr):
-    """Async FP8 wgmma of 32-block ``j`` of the tile in ``stage`` into a fresh accumulator."""
+def _quantize_tile(xt, xk, xq_s, col_l: gl.constexpr):
+    """MXFP8-quantize a bf16 activation tile ``xt [BM, 128]`` as ``mxfp8_quantize`` does: the e4m3
+    values go to ``xq_s``; the four 32-blocks' UE8M0 codes come back packed in one int32 per row
+    (block j in bits 8j..8j+7, as in a 128x4 scale word), in ``col_l``: one layout conversion."""
+    xf = xt.to(gl.float32)
+    ax = gl.abs(xf)
+    blk = gl.expand_dims(xk // 32, 0)
+    c0 = _ue8m0_code(gl.max(gl.where(blk == 0, ax, 0.0), axis=1))
+    c1 = _ue8m0_code(gl.max(gl.where(blk == 1, ax, 0.0), axis=1))
+    c2 = _ue8m0_code(gl.max(gl.where(blk == 2, ax, 0.0), axis=1))
+    c3 = _ue8m0_code(gl.max(gl.where(blk == 3, ax, 0.0), axis=1))
+    code = gl.where(blk == 0, gl.expand_dims(c0, 1), gl.where(blk == 1, gl.expand_dims(c1, 1),
+                    gl.where(blk == 2, gl.expand_dims(c2, 1), gl.expand_dims(c3, 1))))
+    xq_s.store(_round_e4m3(xf * _pow2_f32(254 - code)).to(gl.float8e4nv))  # exact: r is an e4m3 value
+    word = gl.convert_layout(c0 | (c1 << 8) | (c2 << 16) | (c3 << 24), col_l)
+    return word.to(gl.uint32, bitcast=True)
+
+
+@gluon.jit
+def _part(w_s, x_s, stage, xb, zero, j: gl.constexpr):
+    """Async FP8 wgmma of 32-block ``j`` of the weight tile in ``stage`` and the activation tile in
+    buffer ``xb`` into a fresh accumulator."""
     w = w_s.index(stage).slice(j * 32, 32, dim=1)
-    x = x_s.index(stage).slice(j * 32, 32, dim=1).permute((1, 0))
+    x = x_s.index(xb).slice(j * 32, 32, dim=1).permute((1, 0))
     return warpgroup_mma(w, x, zero, use_acc=False, is_async=True)
 
 
 @gluon.jit
 def _rescale(acc, part, sw_word, cx, j: gl.constexpr):
-    """``acc += part * 2^(cw_j - 127) * 2^(cx_j - 127)`` for 32-block ``j`` of the K-tile."""
+    """``acc += part * 2^(cw_j - 127) * 2^(cx_j - 127)`` for 32-block ``j`` of the K-tile (``cx``
+    the activation codes of block j, or all four packed in a word when ``cx`` is 32-bit words)."""
     cw = (sw_word >> (8 * j)) & 0xFF
+    if cx.dtype == gl.uint32:
+        cx = ((cx >> (8 * j)) & 0xFF).to(gl.int32)
     return acc + part * gl.expand_dims(_pow2_f32(cw), 1) * gl.expand_dims(_pow2_f32(cx), 0)
 
 
 @gluon.jit
 def _wgmma_decode_kernel(
-    w_desc, x_desc, s_ptr, xc_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr,
-    M, N, K, stride_om, stride_os, scale_cp4, split_k,
+    w_desc, x_desc, x_ptr, s_ptr, xc_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr,
+    M, N, K, stride_xm, stride_om, stride_os, scale_cp4, split_k,
     LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr,
-    STAGES: gl.constexpr, num_warps: gl.constexpr,
+    FUSE_QUANT: gl.constexpr, BM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
+    SW_AHEAD: gl.constexpr, num_warps: gl.constexpr,
 ):
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    BM: gl.constexpr = x_desc.block_type.shape[0]
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
@@ -100,43 +137,67 @@ def _wgmma_decode_kernel(
     p0 = pid_n * BN
 
     w_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, 128], w_desc.layout)
-    x_s = gl.allocate_shared_memory(x_desc.dtype, [STAGES, BM, 128], x_desc.layout)
+    # fused: two buffers, written in turn (the CTA barrier per tile keeps the warps within a tile
+    # of each other, so a buffer is rewritten only after every warp's MMAs on it were waited for)
+    x_s = gl.allocate_shared_memory(gl.float8e4nv, [2 if FUSE_QUANT else STAGES, BM, 128], X_SMEM)
     bars = gl.allocate_shared_memory(gl.int64, [STAGES, 1], mbarrier.MBarrierLayout())
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
     for s in gl.static_range(STAGES - 1):
-        _issue_tile(w_desc, x_desc, w_s, x_s, bars.index(s), s, p0, (kt0 + s) * 128, s < n_it)
+        _issue_tile(w_desc, x_desc, w_s, x_s, bars.index(s), s, p0, (kt0 + s) * 128, s < n_it, not FUSE_QUANT)
 
     rows = p0 + gl.arange(0, BN, layout=row_l)  # physical rows (< the 128-row padded scale rows)
     # 128x4 word offset of (row, scale column 0): (r//128)*(Cp/4)*128 + (r%32)*4 + (r%128)//32
     sw_ptrs = s_ptr + (rows // 128).to(gl.int64) * (scale_cp4 * 128) + (rows % 32) * 4 + (rows % 128) // 32
     cols = gl.arange(0, BM, layout=col_l)
-    xc_ptrs = xc_ptr + gl.minimum(cols, M - 1).to(gl.int64) * (K // 32)  # rows past M repeat row M-1
 
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
     zero = gl.zeros([BN, BM], gl.float32, acc_l)
-    # scales of the current tile; the next tile's are loaded one iteration ahead
+    # scale words come from DRAM: loaded SW_AHEAD (1..3) 128-tiles ahead, in a ring of registers
+    last = kt0 + n_it - 1
     sw_word = gl.load(sw_ptrs + kt0 * 128)
-    cx0 = gl.load(xc_ptrs + kt0 * 4)
-    cx1 = gl.load(xc_ptrs + kt0 * 4 + 1)
-    cx2 = gl.load(xc_ptrs + kt0 * 4 + 2)
-    cx3 = gl.load(xc_ptrs + kt0 * 4 + 3)
+    sw_1 = gl.load(sw_ptrs + gl.minimum(kt0 + 1, last) * 128)
+    sw_2 = gl.load(sw_ptrs + gl.minimum(kt0 + 2, last) * 128)
+    # bf16 activations (or activation codes, both from L2) of the current tile; the next tile's
+    # are loaded one iteration ahead
+    if FUSE_QUANT:
+        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
+        xr = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
+        xk = gl.arange(0, 128, layout=gl.SliceLayout(0, x_l))
+        x_ptrs = x_ptr + gl.expand_dims(xr.to(gl.int64) * stride_xm, 1) + gl.expand_dims(xk, 0)
+        x_mask = gl.expand_dims(xr < M, 1) & gl.expand_dims(xk < 128, 0)  # rows past M are zeros
+        xt = gl.load(x_ptrs + kt0 * 128, mask=x_mask, other=0.0)
+    else:
+        xc_ptrs = xc_ptr + gl.minimum(cols, M - 1).to(gl.int64) * (K // 32)  # rows past M repeat row M-1
+        cx0 = gl.load(xc_ptrs + kt0 * 4)
+        cx1 = gl.load(xc_ptrs + kt0 * 4 + 1)
+        cx2 = gl.load(xc_ptrs + kt0 * 4 + 2)
+        cx3 = gl.load(xc_ptrs + kt0 * 4 + 3)
     for i in range(n_it):
         stage = i % STAGES
         nxt = i + STAGES - 1  # refill the stage of tile i-1, whose MMAs were waited for
         _issue_tile(w_desc, x_desc, w_s, x_s, bars.index(nxt % STAGES), nxt % STAGES, p0, (kt0 + nxt) * 128,
-                    nxt < n_it)
-        kn = gl.minimum(kt0 + i + 1, kt0 + n_it - 1)
-        sw_next = gl.load(sw_ptrs + kn * 128)
-        cn0 = gl.load(xc_ptrs + kn * 4)
-        cn1 = gl.load(xc_ptrs + kn * 4 + 1)
-        cn2 = gl.load(xc_ptrs + kn * 4 + 2)
-        cn3 = gl.load(xc_ptrs + kn * 4 + 3)
+                    nxt < n_it, not FUSE_QUANT)
+        kn = gl.minimum(kt0 + i + 1, last)
+        sw_new = gl.load(sw_ptrs + gl.minimum(kt0 + i + SW_AHEAD, last) * 128)
+        if FUSE_QUANT:  # quantize tile i while its weight bytes are still on their way
+            xt_next = gl.load(x_ptrs + kn * 128, mask=x_mask, other=0.0)
+            xb = i % 2
+            cx_word = _quantize_tile(xt, xk, x_s.index(xb), col_l)
+            fence_async_shared()  # the threads' stores, before the wgmma (async proxy) reads them
+            _cta_barrier()  # every warp's rows of the tile are stored
+            cx0, cx1, cx2, cx3 = cx_word, cx_word, cx_word, cx_word
+        else:
+            cn0 = gl.load(xc_ptrs + kn * 4)
+            cn1 = gl.load(xc_ptrs + kn * 4 + 1)
+            cn2 = gl.load(xc_ptrs + kn * 4 + 2)
+            cn3 = gl.load(xc_ptrs + kn * 4 + 3)
+            xb = stage
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        p_0 = _part(w_s, x_s, stage, zero, 0)
-        p_1 = _part(w_s, x_s, stage, zero, 1)
-        p_2 = _part(w_s, x_s, stage, zero, 2)
-        p_3 = _part(w_s, x_s, stage, zero, 3)
+        p_0 = _part(w_s, x_s, stage, xb, zero, 0)
+        p_1 = _part(w_s, x_s, stage, xb, zero, 1)
+        p_2 = _part(w_s, x_s, stage, xb, zero, 2)
+        p_3 = _part(w_s, x_s, stage, xb, zero, 3)
         p_0 = warpgroup_mma_wait(num_outstanding=3, deps=(p_0,))
         acc = _rescale(acc, p_0, sw_word, cx0, 0)
         p_1 = warpgroup_mma_wait(num_outstanding=2, deps=(p_1,))
@@ -145,7 +206,16 @@ def _wgmma_decode_kernel(
         acc = _rescale(acc, p_2, sw_word, cx2, 2)
         p_3 = warpgroup_mma_wait(num_outstanding=0, deps=(p_3,))
         acc = _rescale(acc, p_3, sw_word, cx3, 3)
-        sw_word, cx0, cx1, cx2, cx3 = sw_next, cn0, cn1, cn2, cn3
+        if SW_AHEAD == 1:
+            sw_word = sw_new
+        elif SW_AHEAD == 2:
+            sw_word, sw_1 = sw_1, sw_new
+        else:
+            sw_word, sw_1, sw_2 = sw_1, sw_2, sw_new
+        if FUSE_QUANT:
+            xt = xt_next
+        else:
+            cx0, cx1, cx2, cx3 = cn0, cn1, cn2, cn3
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
@@ -184,34 +254,45 @@ def supported(weight: MXFP8Weight, k: int) -> bool:
 
 
 def wgmma_decode(
-    xq: torch.Tensor, xc: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
-    ws: torch.Tensor | None, lock: torch.Tensor | None, *, split_k: int, stages: int = 4, num_warps: int = 4,
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
+    ws: torch.Tensor | None, lock: torch.Tensor | None, *, split_k: int, xc: torch.Tensor | None = None,
+    stages: int = 2, sw_ahead: int = 1,
 ) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16); with ``split_k > 1`` fp32 partials go to ``ws``
     ``[split_k, M, N]`` and are summed by the last program of each row tile to arrive when
     ``lock`` (zeroed int32 arrival counters, one per row tile) is given, else by the caller.
 
+    ``stages`` TMA buffers in the ring; the weight scale words are loaded ``sw_ahead`` (1..3)
+    K-tiles ahead.
+
     Args:
-        xq: e4m3 activations ``[M, K]`` (16-byte aligned, as from ``quantize_activations``).
-        xc: int32 activation codes ``[M, K/32]``.
+        x: bf16/fp16/fp32 activations ``[M, K]`` (unit stride along K), quantized inside the
+            kernel, each program the K-tiles it reads; or e4m3 activations (16-byte aligned, as
+            from ``quantize_activations``) read by TMA, with their int32 codes ``xc [M, K/32]``.
     """
-    m, k = xq.shape
+    m, k = x.shape
     n = weight.shape[0]
-    if m > 16 or not supported(weight, k):
+    if not 1 <= sw_ahead <= 3:
+        raise ValueError(f"sw_ahead={sw_ahead}: 1, 2 or 3")
+    if m > 16 or not supported(weight, k) or x.stride(1) != 1:
         raise LayoutError(f"{weight.name or 'weight'}: the wgmma decode kernel needs M <= 16, K % 128 == 0, "
                           "a trtllm/cutlass weight and 16-byte aligned contiguous bytes")
+    fuse = x.dtype != torch.float8_e4m3fn
+    if not fuse and xc is None:
+        raise LayoutError("e4m3 activations need their codes (xc)")
     bm = 8 if m <= 8 else 16
     w_layout = gl.NVMMASharedLayout.get_default_for([BLOCK_N, BLOCK_K], gl.float8e4nv)
     x_layout = gl.NVMMASharedLayout.get_default_for([bm, BLOCK_K], gl.float8e4nv)
     w_desc = TensorDescriptor(weight.data, [n, k], [k, 1], [BLOCK_N, BLOCK_K], w_layout)
-    x_desc = TensorDescriptor(xq, [m, k], [k, 1], [bm, BLOCK_K], x_layout)
+    x_desc = None if fuse else TensorDescriptor(x, [m, k], [k, 1], [bm, BLOCK_K], x_layout)
     partial = split_k > 1
     scale = weight.scale.view(torch.int32)
     cp4 = (k // 32 + 3) // 4
     _wgmma_decode_kernel[(triton.cdiv(n, BLOCK_N), split_k)](
-        w_desc, x_desc, scale, xc, bias if bias is not None else out, out, ws if partial else out,
-        lock if lock is not None else xc, m, n, k, out.stride(0), m * n, cp4, split_k,
+        w_desc, x_desc, x, scale, scale if fuse else xc, bias if bias is not None else out, out,
+        ws if partial else out, lock if lock is not None else scale, m, n, k, x.stride(0), out.stride(0),
+        m * n, cp4, split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
-        SERIAL=partial and lock is not None, STAGES=stages,
-        num_warps=num_warps,
+        SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, X_SMEM=x_layout, STAGES=stages,
+        SW_AHEAD=sw_ahead, num_warps=4,
     )

@@ -684,6 +684,7 @@ class GemmConfig:
     cublas: bool = False  # large M: dequantize the weight chunk by chunk, bf16 GEMM by cuBLAS
     wgmma: bool = False  # M <= 16: the Gluon kernel, FP8 wgmma per 32-block, four in flight
     chunk_n: int = 0  # cublas: weight rows dequantized per chunk (0: as many as the workspace holds)
+    sw_ahead: int = 1  # wgmma: K-tiles ahead of use that the weight scale words are loaded
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -784,30 +785,45 @@ def _gluon():
 
 
 def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 2, waves: float = 3.0,
-                 serial_reduce: bool = True) -> GemmConfig:
+                 serial_reduce: bool = True, fuse_quant: bool = False, sw_ahead: int = 1) -> GemmConfig:
     """Config of the Gluon wgmma decode kernel: 64 physical weight rows per program, 128-wide
-    K-tiles in a ring of ``stages`` TMA buffers, split-K up to ~``waves`` x SMs programs (none when
-    the row tiles alone fill 2.5 waves: measured faster on DeepSeek q_b/kv_b), summed by the last
-    program of each row tile (``serial_reduce``) or by a second kernel."""
+    K-tiles in a ring of ``stages`` TMA buffers, weight scale words loaded ``sw_ahead`` K-tiles
+    ahead, split-K up to ~``waves`` x SMs programs (none when the row tiles alone fill 2.5 waves:
+    measured faster on DeepSeek q_b/kv_b), summed by the last program of each row tile
+    (``serial_reduce``) or by a second kernel; activations quantized by a kernel before the GEMM,
+    or inside it (``fuse_quant``: each program quantizes the K-tiles it reads)."""
     sms = _num_sms(device)
     tiles = triton.cdiv(n, 64)
     k_tiles = k // 128
     split = 1 if tiles >= 2.5 * sms else max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
     split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
-    return GemmConfig(64, 16, 128, split_k=split, fuse_quant=False, num_warps=4, num_stages=stages,
-                      serial_reduce=serial_reduce, wgmma=True)
+    return GemmConfig(64, 16, 128, split_k=split, fuse_quant=fuse_quant, num_warps=4, num_stages=stages,
+                      serial_reduce=serial_reduce, wgmma=True, sw_ahead=sw_ahead)
+
+
+#: From this many weight elements the wgmma kernel reads quantized activations (one quantization
+#: kernel per call, then ~4 programs per SM); below, it quantizes them itself (one launch).
+WGMMA_LARGE_WEIGHT = 20_000_000
 
 
 def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
     """The Gluon wgmma kernel's config where it measured fastest on the H200
-    (benchmarks/NOTES_gemm.md, "Gluon wgmma kernel"), else None: Hopper with Gluon, K % 128 == 0,
-    and weights of at least 32 M elements at M = 1 (below, the GEMV kernel), 8 M at M = 2..8 and
-    16 M at M = 9..16 (below, its two launches cost more than they save)."""
+    (benchmarks/NOTES_gemm.md, "Fourth session"), else None. Hopper with Gluon, K % 128 == 0, and:
+
+    - weights of >= :data:`WGMMA_LARGE_WEIGHT` elements, M = 2..16 (M = 1 from 32 M elements;
+      below, the GEMV kernel): activations quantized by a kernel before, ~4 programs per SM (~3 at
+      M > 8);
+    - smaller weights, M = 2..8: activations quantized inside the kernel (one launch), ~2 programs
+      per SM, scale words two K-tiles ahead. At M = 9..16 they keep the tile kernel.
+    """
     if m > 16 or k % 128 or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
-    if n * k < (32_000_000 if m == 1 else 8_000_000 if m <= 8 else 16_000_000) or _gluon() is None:
+    large = n * k >= WGMMA_LARGE_WEIGHT
+    if (m == 1 and n * k < 32_000_000) or (m > 8 and not large) or _gluon() is None:
         return None
-    return wgmma_config(m, n, k, device)
+    if large:
+        return wgmma_config(m, n, k, device, waves=4 if m <= 8 else 3)
+    return wgmma_config(m, n, k, device, waves=2, fuse_quant=True, sw_ahead=2)
 
 
 def use_decode(m: int, n: int, k: int, device: torch.device) -> bool:
@@ -865,8 +881,9 @@ def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool 
                   cublas: bool = True, wgmma: bool = True) -> GemmConfig:
     """Tile choice by M bucket; rules fitted to sweeps on one H200 (benchmarks/NOTES_gemm.md).
 
-    - :func:`wgmma_rule` (M <= 16, large weights, Hopper; ``wgmma=False`` skips it): the Gluon
-      kernel, FP8 wgmma per 32-block with four in flight, weights and activations by TMA.
+    - :func:`wgmma_rule` (M <= 16, Hopper; ``wgmma=False`` skips it): the Gluon kernel, FP8 wgmma
+      per 32-block with four in flight, weights by TMA, activations quantized inside it (smaller
+      weights) or before it.
     - :func:`gemv_rule` (M <= 2): the CUDA-core GEMV kernel.
     - :func:`use_decode` (M <= 4 on large-N weights): the decode kernel, one FP8 MMA per 32-block
       (``decode=False`` skips these two, for comparisons).
@@ -1118,15 +1135,16 @@ def _quantize_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _launch_wgmma(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
 ) -> torch.Tensor:
-    """Activation quantization, the Gluon wgmma decode kernel, and the split-K reduction."""
+    """Activation quantization (unless the kernel does it), the Gluon wgmma decode kernel, and
+    the split-K reduction (unless serial)."""
     gluon = _gluon()
     if gluon is None:
         raise LayoutError("the wgmma decode kernel needs Triton's Gluon (triton >= 3.6)")
-    xq, xc = _quantize_codes(x)
+    xq, xc = (x, None) if cfg.fuse_quant else _quantize_codes(x)
     has_bias = bias is not None
     partial, serial, ws, lock = _split_k_buffers(out, cfg, triton.cdiv(weight.shape[0], cfg.block_n))
-    gluon.wgmma_decode(xq, xc, weight, bias, out, ws if partial else None, lock if serial else None,
-                       split_k=cfg.split_k, stages=cfg.num_stages, num_warps=cfg.num_warps)
+    gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
+                       split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead)
     if partial and not serial:
         _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias)
     return out

@@ -152,10 +152,13 @@ def test_gemv_configs_agree(layout, m):
 @pytest.mark.parametrize("layout,n", [("trtllm", 576), ("trtllm", 544), ("cutlass", 544)])
 @pytest.mark.parametrize("m", [1, 5, 9, 16])
 def test_wgmma_configs_agree(layout, n, m):
-    """The Gluon wgmma decode kernel: 8- and 16-column MMAs (M <= 8 / <= 16), TMA ring depths,
-    split-K with the serial (last program) and the two-kernel reduction, N tail (544 = 8.5 x 64:
-    TMA zero-fills rows past N), physical-to-logical row mapping on the store (trtllm), bias;
-    each config twice (the arrival counters must re-arm)."""
+    """The Gluon wgmma decode kernel: activations quantized inside it or by a separate kernel,
+    scale words loaded one to three K-tiles ahead (with 0.01 waves a single program runs all of
+    K), 8- and 16-column MMAs (M <= 8 / <= 16), TMA ring depths, split-K with the serial (last
+    program) and the two-kernel reduction, N tail (544 = 8.5 x 64: TMA zero-fills rows past N),
+    physical-to-logical row mapping on the store (trtllm), bias; each config twice (the arrival
+    counters must re-arm). The activations span 2^-10..2^10 across K, so every 32-block has its
+    own code."""
     tri = _triton()
     if tri._gluon() is None:
         pytest.skip("Triton's Gluon is not installed")
@@ -165,9 +168,11 @@ def test_wgmma_configs_agree(layout, n, m):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
     dev = torch.device("cuda")
-    for stages, waves, serial in ((3, 2, True), (2, 0.01, True), (6, 4, True), (3, 2, False)):
-        cfg = tri.wgmma_config(m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial)
-        _check_twice(tri, x, w, bias, ref, cfg)
+    for fuse in (True, False):
+        for stages, waves, serial, ahead in ((3, 2, True, 1), (2, 0.01, True, 2), (6, 4, True, 3), (3, 2, False, 2)):
+            cfg = tri.wgmma_config(m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse,
+                                   sw_ahead=ahead)
+            _check_twice(tri, x, w, bias, ref, cfg)
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
@@ -222,18 +227,21 @@ def test_decode_is_the_rule_where_measured_faster():
 
 
 def test_wgmma_is_the_rule_where_measured_faster():
-    """On Hopper with Gluon: the wgmma kernel for M <= 16 on large weights; small weights keep the
-    GEMV (M <= 2) and tile kernels; a weight the kernel cannot read by TMA falls back."""
+    """On Hopper with Gluon: the wgmma kernel for M = 2..8 on every weight (quantizing the
+    activations itself below WGMMA_LARGE_WEIGHT), at M = 1 and 9..16 on large weights (smaller
+    ones keep the GEMV and tile kernels); a weight it cannot read by TMA falls back."""
     tri = _triton()
     if torch.cuda.get_device_capability()[0] != 9 or tri._gluon() is None:
         pytest.skip("needs Hopper and Triton's Gluon")
     dev = torch.device("cuda")
-    assert tri.choose_config(1, 18432, 7168, dev).wgmma
+    large = tri.choose_config(1, 18432, 7168, dev)
+    assert large.wgmma and not large.fuse_quant
     assert not tri.choose_config(1, 4096, 4096, dev).wgmma and tri.choose_config(1, 4096, 4096, dev).gemv
     for m in (2, 8):
-        assert tri.choose_config(m, 2560, 4096, dev).wgmma  # 10.5 M elements
-        assert not tri.choose_config(m, 1024, 4096, dev).wgmma
-    assert tri.choose_config(16, 4096, 4096, dev).wgmma and not tri.choose_config(16, 2560, 4096, dev).wgmma
+        small = tri.choose_config(m, 1024, 4096, dev)  # 4.2 M elements: quantized in the kernel
+        assert small.wgmma and small.fuse_quant and small.sw_ahead == 2
+        assert not tri.choose_config(m, 9728, 2560, dev).fuse_quant  # 24.9 M elements
+    assert tri.choose_config(16, 9728, 2560, dev).wgmma and not tri.choose_config(16, 4096, 4096, dev).wgmma
     assert not tri.choose_config(17, 18432, 7168, dev).wgmma
     w, q, code = random_weight(4096, 4096, "canonical", seed=2)  # no 128x4 scale words: falls back
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)

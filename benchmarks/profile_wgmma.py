@@ -1,0 +1,43 @@
+"""One MXFP8 linear call per config, for a profiler (Nsight Compute) on a Hopper GPU.
+
+    ncu --kernel-name regex:wgmma --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
+        python benchmarks/profile_wgmma.py --n 4096 --k 4096 --m 4
+
+Runs the rule's config (``choose_config``), three times, and prints it.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from mxfp8_convert.runtime import MXFP8Weight  # noqa: E402
+from mxfp8_convert.runtime.triton_mxfp8 import choose_config, triton_linear  # noqa: E402
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--n", type=int, default=4096)
+    p.add_argument("--k", type=int, default=4096)
+    p.add_argument("--m", type=int, default=4)
+    p.add_argument("--layout", default="trtllm")
+    args = p.parse_args()
+    q = (torch.randn(args.n, args.k, device="cuda") * 96).clamp(-448, 448).to(torch.float8_e4m3fn)
+    code = torch.randint(116, 126, (args.n, args.k // 32), device="cuda").to(torch.uint8)
+    w = MXFP8Weight.from_canonical(q, code, args.layout)
+    x = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
+    cfg = choose_config(args.m, args.n, args.k, x.device)
+    print(cfg.to_dict(), flush=True)
+    for _ in range(3):
+        triton_linear(x, w, config=cfg)
+    torch.cuda.synchronize()
+
+
+if __name__ == "__main__":
+    main()
