@@ -79,22 +79,17 @@ def _issue_tile(w_desc, x_desc, w_s, x_s, bar, stage, p0, k0, pred, LOAD_X: gl.c
 
 
 @gluon.jit
-def _quantize_tile(xt, xk, xq_s, col_l: gl.constexpr):
-    """MXFP8-quantize a bf16 activation tile ``xt [BM, 128]`` as ``mxfp8_quantize`` does: the e4m3
-    values go to ``xq_s``; the four 32-blocks' UE8M0 codes come back packed in one int32 per row
-    (block j in bits 8j..8j+7, as in a 128x4 scale word), in ``col_l``: one layout conversion."""
+def _quantize_tile(xt, xb4, xq_s, col_l: gl.constexpr):
+    """MXFP8-quantize a bf16 activation tile ``xt [BM, 4, 32]`` (a K-tile as four 32-blocks) as
+    ``mxfp8_quantize`` does: the e4m3 values go to ``xq_s [BM, 128]``; the blocks' UE8M0 codes
+    come back packed in one int32 per row (block j in bits 8j..8j+7, as in a 128x4 scale word),
+    in ``col_l``: one layout conversion. ``xb4`` is ``arange(4)`` along the block axis."""
     xf = xt.to(gl.float32)
-    ax = gl.abs(xf)
-    blk = gl.expand_dims(xk // 32, 0)
-    c0 = _ue8m0_code(gl.max(gl.where(blk == 0, ax, 0.0), axis=1))
-    c1 = _ue8m0_code(gl.max(gl.where(blk == 1, ax, 0.0), axis=1))
-    c2 = _ue8m0_code(gl.max(gl.where(blk == 2, ax, 0.0), axis=1))
-    c3 = _ue8m0_code(gl.max(gl.where(blk == 3, ax, 0.0), axis=1))
-    code = gl.where(blk == 0, gl.expand_dims(c0, 1), gl.where(blk == 1, gl.expand_dims(c1, 1),
-                    gl.where(blk == 2, gl.expand_dims(c2, 1), gl.expand_dims(c3, 1))))
-    xq_s.store(_round_e4m3(xf * _pow2_f32(254 - code)).to(gl.float8e4nv))  # exact: r is an e4m3 value
-    word = gl.convert_layout(c0 | (c1 << 8) | (c2 << 16) | (c3 << 24), col_l)
-    return word.to(gl.uint32, bitcast=True)
+    code = _ue8m0_code(gl.max(gl.abs(xf), axis=2))  # [BM, 4]
+    r = _round_e4m3(xf * _pow2_f32(254 - gl.expand_dims(code, 2)))
+    xq_s.store(gl.reshape(r.to(gl.float8e4nv), [xt.shape[0], 128]))  # exact: r is an e4m3 value
+    word = gl.sum(code << gl.expand_dims(xb4 * 8, 0), axis=1)  # codes < 256: the sum is an OR
+    return gl.convert_layout(word, col_l).to(gl.uint32, bitcast=True)
 
 
 @gluon.jit
@@ -160,12 +155,14 @@ def _wgmma_decode_kernel(
     sw_2 = gl.load(sw_ptrs + gl.minimum(kt0 + 2, last) * 128)
     # bf16 activations (or activation codes, both from L2) of the current tile; the next tile's
     # are loaded one iteration ahead
-    if FUSE_QUANT:
-        x_l: gl.constexpr = gl.BlockedLayout([1, 8], [2, 16], [num_warps, 1], [1, 0])
-        xr = gl.arange(0, BM, layout=gl.SliceLayout(1, x_l))
-        xk = gl.arange(0, 128, layout=gl.SliceLayout(0, x_l))
-        x_ptrs = x_ptr + gl.expand_dims(xr.to(gl.int64) * stride_xm, 1) + gl.expand_dims(xk, 0)
-        x_mask = gl.expand_dims(xr < M, 1) & gl.expand_dims(xk < 128, 0)  # rows past M are zeros
+    if FUSE_QUANT:  # [BM, 4, 32]: a thread holds 8 elements of one 32-block, a block spans 4 threads
+        x_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 4, 4], [num_warps, 1, 1], [2, 1, 0])
+        xr = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
+        xb4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
+        xe = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
+        xrb = gl.expand_dims(gl.expand_dims(xr.to(gl.int64) * stride_xm, 1) + gl.expand_dims(xb4 * 32, 0), 2)
+        x_ptrs = x_ptr + xrb + gl.expand_dims(gl.expand_dims(xe, 0), 1)
+        x_mask = (xrb + gl.expand_dims(gl.expand_dims(xe, 0), 1)) < M * stride_xm  # rows past M are zeros
         xt = gl.load(x_ptrs + kt0 * 128, mask=x_mask, other=0.0)
     else:
         xc_ptrs = xc_ptr + gl.minimum(cols, M - 1).to(gl.int64) * (K // 32)  # rows past M repeat row M-1
@@ -183,7 +180,7 @@ def _wgmma_decode_kernel(
         if FUSE_QUANT:  # quantize tile i while its weight bytes are still on their way
             xt_next = gl.load(x_ptrs + kn * 128, mask=x_mask, other=0.0)
             xb = i % 2
-            cx_word = _quantize_tile(xt, xk, x_s.index(xb), col_l)
+            cx_word = _quantize_tile(xt, xb4, x_s.index(xb), col_l)
             fence_async_shared()  # the threads' stores, before the wgmma (async proxy) reads them
             _cta_barrier()  # every warp's rows of the tile are stored
             cx0, cx1, cx2, cx3 = cx_word, cx_word, cx_word, cx_word
