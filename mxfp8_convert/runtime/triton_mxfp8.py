@@ -801,29 +801,45 @@ def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 
                       serial_reduce=serial_reduce, wgmma=True, sw_ahead=sw_ahead)
 
 
-#: From this many weight elements the wgmma kernel reads quantized activations (one quantization
-#: kernel per call, then ~4 programs per SM); below, it quantizes them itself (one launch).
-WGMMA_LARGE_WEIGHT = 20_000_000
+#: Below this many weight elements the GEMV kernel (M = 1) and the tile kernel (M = 9..16) stay
+#: faster, and at M = 2..8 the wgmma kernel runs with fewer programs (~2 per SM instead of ~3).
+WGMMA_SMALL_WEIGHT = 8_000_000
+#: From this many weight elements (from :data:`WGMMA_MID_WEIGHT` at M = 9..16) the wgmma kernel
+#: reads activations quantized by a kernel before it, with ~4 (~3) programs per SM; below, it
+#: quantizes them itself (one launch).
+WGMMA_LARGE_WEIGHT = 32_000_000
+WGMMA_MID_WEIGHT = 20_000_000
 
 
 def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
     """The Gluon wgmma kernel's config where it measured fastest on the H200
-    (benchmarks/NOTES_gemm.md, "Fourth session"), else None. Hopper with Gluon, K % 128 == 0, and:
+    (benchmarks/NOTES_gemm.md, "Fourth session", runs 6 and 8), else None. Hopper with Gluon,
+    K % 128 == 0, M <= 16, and by weight size (elements):
 
-    - weights of >= :data:`WGMMA_LARGE_WEIGHT` elements, M = 2..16 (M = 1 from 32 M elements;
-      below, the GEMV kernel): activations quantized by a kernel before, ~4 programs per SM (~3 at
-      M > 8);
-    - smaller weights, M = 2..8: activations quantized inside the kernel (one launch), ~2 programs
-      per SM, scale words two K-tiles ahead. At M = 9..16 they keep the tile kernel.
+    ========  =================  =====================  ======================
+    M         < 8 M              8 M .. 32 M             >= 32 M
+    ========  =================  =====================  ======================
+    1         None (GEMV)        fused, 3 waves          quantized before, 4 waves
+    2..8      fused, 2 waves     fused, 3 waves          quantized before, 4 waves
+    9..16     None (tile)        fused, 2 waves < 20 M;  quantized before, 3 waves
+                                 else quantized before,
+                                 3 waves
+    ========  =================  =====================  ======================
+
+    "fused": activations quantized inside the kernel, scale words two K-tiles ahead; "waves":
+    split-K up to that many programs per SM (:func:`wgmma_config`). Every cell was measured on
+    the model shapes; Llama's MLP (58.7 M) ran 0.03-0.15x faster fused in run 8, but DeepSeek's
+    q_b_proj (37.7 M) was not timed fused with the current kernel, so 32 M stays the bound.
     """
     if m > 16 or k % 128 or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
-    large = n * k >= WGMMA_LARGE_WEIGHT
-    if (m == 1 and n * k < 32_000_000) or (m > 8 and not large) or _gluon() is None:
+    size = n * k
+    if (size < WGMMA_SMALL_WEIGHT and (m == 1 or m > 8)) or _gluon() is None:
         return None
-    if large:
+    if size >= WGMMA_LARGE_WEIGHT or (m > 8 and size >= WGMMA_MID_WEIGHT):
         return wgmma_config(m, n, k, device, waves=4 if m <= 8 else 3)
-    return wgmma_config(m, n, k, device, waves=2, fuse_quant=True, sw_ahead=2)
+    waves = 3 if size >= WGMMA_SMALL_WEIGHT and m <= 8 else 2
+    return wgmma_config(m, n, k, device, waves=waves, fuse_quant=True, sw_ahead=2)
 
 
 def use_decode(m: int, n: int, k: int, device: torch.device) -> bool:

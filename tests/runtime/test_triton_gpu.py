@@ -227,21 +227,21 @@ def test_decode_is_the_rule_where_measured_faster():
 
 
 def test_wgmma_is_the_rule_where_measured_faster():
-    """On Hopper with Gluon: the wgmma kernel for M = 2..8 on every weight (quantizing the
-    activations itself below WGMMA_LARGE_WEIGHT), at M = 1 and 9..16 on large weights (smaller
-    ones keep the GEMV and tile kernels); a weight it cannot read by TMA falls back."""
+    """On Hopper with Gluon, the table of ``wgmma_rule`` (checked in full on CPU by
+    test_triton_interpreter.py::test_wgmma_rule_table) holds on this device; a weight the kernel
+    cannot read by TMA falls back."""
     tri = _triton()
     if torch.cuda.get_device_capability()[0] != 9 or tri._gluon() is None:
         pytest.skip("needs Hopper and Triton's Gluon")
     dev = torch.device("cuda")
+    assert not tri.choose_config(1, 1024, 4096, dev).wgmma and tri.choose_config(1, 1024, 4096, dev).gemv
+    assert tri.choose_config(1, 4096, 4096, dev).fuse_quant
     large = tri.choose_config(1, 18432, 7168, dev)
     assert large.wgmma and not large.fuse_quant
-    assert not tri.choose_config(1, 4096, 4096, dev).wgmma and tri.choose_config(1, 4096, 4096, dev).gemv
     for m in (2, 8):
         small = tri.choose_config(m, 1024, 4096, dev)  # 4.2 M elements: quantized in the kernel
         assert small.wgmma and small.fuse_quant and small.sw_ahead == 2
-        assert not tri.choose_config(m, 9728, 2560, dev).fuse_quant  # 24.9 M elements
-    assert tri.choose_config(16, 9728, 2560, dev).wgmma and not tri.choose_config(16, 4096, 4096, dev).wgmma
+    assert not tri.choose_config(16, 1024, 4096, dev).wgmma and tri.choose_config(16, 4096, 4096, dev).fuse_quant
     assert not tri.choose_config(17, 18432, 7168, dev).wgmma
     w, q, code = random_weight(4096, 4096, "canonical", seed=2)  # no 128x4 scale words: falls back
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)

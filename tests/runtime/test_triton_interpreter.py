@@ -220,6 +220,44 @@ def test_wgmma_rule_needs_a_hopper_gpu():
     assert not any(choose_config(m, 18432, 7168, cpu).wgmma for m in (1, 2, 4, 16))
 
 
+def test_wgmma_rule_table(monkeypatch):
+    """The rule fitted on the H200 (``wgmma_rule``'s table), evaluated as on a Hopper GPU with 132
+    SMs: which path each (M, weight size) gets, whether activations are quantized in the kernel,
+    and how far K is split."""
+    import mxfp8_convert.runtime.triton_mxfp8 as tri
+
+    if tri._gluon() is None:
+        pytest.skip("Triton's Gluon (triton >= 3.6) is not installed")
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    dev = torch.device("cuda")
+
+    def rule(m, n, k):
+        cfg = tri.wgmma_rule(m, n, k, dev)
+        return None if cfg is None else (cfg.fuse_quant, cfg.split_k, cfg.sw_ahead)
+
+    def fused(m, n, k, waves):
+        return (True, tri.wgmma_config(m, n, k, dev, waves=waves).split_k, 2)
+
+    def before(m, n, k, waves):
+        return (False, tri.wgmma_config(m, n, k, dev, waves=waves).split_k, 1)
+
+    small, mid, qwen_mlp, large = (1024, 4096), (4096, 4096), (9728, 2560), (24576, 1536)  # 4.2/16.8/24.9/37.7 M
+    assert rule(1, *small) is None and rule(16, *small) is None  # the GEMV / tile kernels
+    for m in (2, 8):
+        assert rule(m, *small) == fused(m, *small, 2)
+        assert rule(m, *mid) == fused(m, *mid, 3)
+        assert rule(m, *qwen_mlp) == fused(m, *qwen_mlp, 3)
+        assert rule(m, *large) == before(m, *large, 4)
+    assert rule(1, *mid) == fused(1, *mid, 3) and rule(1, *large) == before(1, *large, 4)
+    assert rule(16, *mid) == fused(16, *mid, 2)
+    assert rule(16, *qwen_mlp) == before(16, *qwen_mlp, 3) and rule(9, *large) == before(9, *large, 3)
+    assert rule(17, *large) is None and rule(4, 4096, 4000) is None  # M > 16; K not a multiple of 128
+    assert fused(4, *mid, 2) != fused(4, *mid, 3)  # the waves are told apart
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
+    assert rule(4, *mid) is None  # Hopper only
+
+
 def test_cublas_is_the_rule_from_min_m():
     """The dispatch measured on the H200: M >= CUBLAS_MIN_M -> the cuBLAS path, with chunks of
     whole 128-row groups that fit the workspace; below, and with cublas=False, the tile kernel."""
