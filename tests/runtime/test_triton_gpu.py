@@ -223,7 +223,7 @@ def test_decode_is_the_rule_where_measured_faster():
     assert tri.choose_config(4, 18432, 7168, dev, wgmma=False).decode  # DeepSeek mlp.gate_up_proj
     assert not tri.choose_config(16, 18432, 7168, dev, wgmma=False).decode
     assert not tri.choose_config(4, 4096, 4096, dev, wgmma=False).decode
-    assert tri.choose_config(1, 9728, 2560, dev).gemv  # M = 1 below 32 M elements: the GEMV kernel
+    assert tri.choose_config(1, 9728, 2560, dev, wgmma=False).gemv  # M = 1 without the wgmma kernel: GEMV
 
 
 def test_wgmma_is_the_rule_where_measured_faster():
