@@ -1152,11 +1152,13 @@ def _launch_wgmma(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
 ) -> torch.Tensor:
     """Activation quantization (unless the kernel does it), the Gluon wgmma decode kernel, and
-    the split-K reduction (unless serial)."""
+    the split-K reduction (unless serial). The kernel quantizes bf16 activations itself (the
+    dtype its GPU tests cover); fp16/fp32 ones go through the quantization kernel first, which is
+    bit-exact for all three."""
     gluon = _gluon()
     if gluon is None:
         raise LayoutError("the wgmma decode kernel needs Triton's Gluon (triton >= 3.6)")
-    xq, xc = (x, None) if cfg.fuse_quant else _quantize_codes(x)
+    xq, xc = (x, None) if cfg.fuse_quant and x.dtype == torch.bfloat16 else _quantize_codes(x)
     has_bias = bias is not None
     partial, serial, ws, lock = _split_k_buffers(out, cfg, triton.cdiv(weight.shape[0], cfg.block_n))
     gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,

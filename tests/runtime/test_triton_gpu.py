@@ -175,6 +175,29 @@ def test_wgmma_configs_agree(layout, n, m):
             _check_twice(tri, x, w, bias, ref, cfg)
 
 
+@pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
+def test_wgmma_activation_dtypes(dtype):
+    """fp16/fp32 activations through a fused wgmma config (``triton_linear`` quantizes them with
+    the quantization kernel first) and straight into the kernel's own quantization (the check
+    needed before ``_launch_wgmma`` may hand them to it)."""
+    tri = _triton()
+    gluon = tri._gluon()
+    if gluon is None:
+        pytest.skip("Triton's Gluon is not installed")
+    n, k, m = 576, 7168, 5
+    w, q, code = random_weight(n, k, "trtllm", seed=31)
+    x = (torch.randn(m, k, device="cuda") * torch.logspace(-3, 3, k, device="cuda")).to(dtype)
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+    cfg = tri.wgmma_config(m, n, k, torch.device("cuda"), fuse_quant=True, sw_ahead=2)
+    _check_twice(tri, x, w, None, ref, cfg)
+    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+    assert cfg.split_k > 1  # partials in ws, summed by the reduction kernel below
+    ws = torch.empty((cfg.split_k, m, n), device="cuda", dtype=torch.float32)
+    gluon.wgmma_decode(x, w, None, out, ws, None, split_k=cfg.split_k, sw_ahead=2)
+    tri._reduce_splits(ws, out, out, cfg, False)
+    assert not out.isnan().any() and rel_err(out, ref) <= 1e-2
+
+
 @pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
 @pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16, torch.float32])
 def test_cublas_path_agrees(layout, bias_dtype):
