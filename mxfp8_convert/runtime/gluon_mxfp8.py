@@ -275,6 +275,8 @@ def wgmma_decode(
         raise LayoutError(f"{weight.name or 'weight'}: the wgmma decode kernel needs M <= 16, K % 128 == 0, "
                           "a trtllm/cutlass weight and 16-byte aligned contiguous bytes")
     fuse = x.dtype != torch.float8_e4m3fn
+    if fuse and x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
+        raise LayoutError(f"activations of dtype {x.dtype}: bf16/fp16/fp32, or e4m3 with their codes")
     if not fuse and xc is None:
         raise LayoutError("e4m3 activations need their codes (xc)")
     bm = 8 if m <= 8 else 16

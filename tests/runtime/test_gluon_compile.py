@@ -76,3 +76,29 @@ def test_wgmma_kernel_compiles_for_sm90_with_mmas_in_flight(bm, layout, serial, 
     # fused: the e4m3 tile written by the threads is made visible to the async proxy (wgmma)
     assert ("FENCE.VIEW.ASYNC.S" in sass) == fuse
     assert not re.search(r"\b(STL|LDL)\b", sass)  # no register spills
+
+
+def test_launcher_refuses_what_the_kernel_cannot_read():
+    """``wgmma_decode`` checks its arguments before anything is launched (so this runs on CPU):
+    each refusal names the problem."""
+    from mxfp8_convert.errors import LayoutError
+    from mxfp8_convert.runtime.weight import MXFP8Weight
+
+    n, k = 128, 256
+    q = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
+    w = MXFP8Weight.from_canonical(q, torch.full((n, k // 32), 127, dtype=torch.uint8), "trtllm", "proj")
+    out = torch.empty(4, n, dtype=torch.bfloat16)
+
+    def launch(x, **kw):
+        gluon_mxfp8.wgmma_decode(x, w, None, out, None, None, split_k=1, **kw)
+
+    with pytest.raises(LayoutError, match="dtype torch.int8"):
+        launch(torch.zeros(4, k, dtype=torch.int8))
+    with pytest.raises(LayoutError, match="need their codes"):
+        launch(torch.zeros(4, k, dtype=torch.float8_e4m3fn))
+    with pytest.raises(LayoutError, match="proj: .*M <= 16"):
+        launch(torch.zeros(17, k, dtype=torch.bfloat16))
+    with pytest.raises(LayoutError, match="proj: .*M <= 16"):
+        launch(torch.zeros(k, 4, dtype=torch.bfloat16).t())  # K not contiguous
+    with pytest.raises(ValueError, match="sw_ahead=4"):
+        launch(torch.zeros(4, k, dtype=torch.bfloat16), sw_ahead=4)
