@@ -813,7 +813,7 @@ WGMMA_MID_WEIGHT = 20_000_000
 
 def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
     """The Gluon wgmma kernel's config where it measured fastest on the H200
-    (benchmarks/NOTES_gemm.md, "Fourth session", runs 6 and 8), else None. Hopper with Gluon,
+    (benchmarks/NOTES_gemm.md, "Fourth session", calls 6, 8 and 9), else None. Hopper with Gluon,
     K % 128 == 0, M <= 16, and by weight size (elements):
 
     ========  =================  =====================  ======================
@@ -828,8 +828,9 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
 
     "fused": activations quantized inside the kernel, scale words two K-tiles ahead; "waves":
     split-K up to that many programs per SM (:func:`wgmma_config`). Every cell was measured on
-    the model shapes; Llama's MLP (58.7 M) ran 0.03-0.15x faster fused in run 8, but DeepSeek's
-    q_b_proj (37.7 M) was not timed fused with the current kernel, so 32 M stays the bound.
+    the model shapes. Llama's MLP (58.7 M) ran faster fused in call 8 (x1.44-1.55 bf16 vs
+    x1.35-1.49 quantized before), but DeepSeek's q_b_proj (37.7 M) was not timed fused with the
+    current kernel, so 32 M stays the bound.
     """
     if m > 16 or k % 128 or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
