@@ -5,10 +5,13 @@ Run on the GPU (never collected by pytest):
     python benchmarks/bench_gemm.py gemm  [--vs-tile] [--layouts L,..] [--out DIR]  # model shapes x M vs bf16
     python benchmarks/bench_gemm.py tune  [--out DIR]   # every candidate tile config per shape and M
     python benchmarks/bench_gemm.py load  [--out DIR]   # converted vs canonical+layout-at-load
-    python benchmarks/bench_gemm.py decode [--sweep | --grid] [--out DIR]  # M <= 16: decode/GEMV kernels vs bf16
+    python benchmarks/bench_gemm.py decode [--sweep | --grid | --wgmma] [--out DIR]  # M <= 16: kernels vs bf16
     python benchmarks/bench_gemm.py quant  [--out DIR]   # the activation-quantization pass's share of a GEMM
 
 Every mode takes --ms 1,2,... and --shapes NAME,... (substrings of the model-shape names).
+``decode --wgmma`` times the Gluon kernel's configs (activations quantized inside it or before
+it, ring depth, scale words ahead, programs per SM) and a ``read-only`` row per shape: a kernel
+that only reads the fp8 weight bytes, the ceiling for any kernel that streams them.
 
 Timing: CUDA-graph replays of many calls, each on its own copy of the operands (>= 400 MB
 streamed per replay, so weights come from HBM, not the 60 MB L2), CUDA events, median. TFLOP/s
