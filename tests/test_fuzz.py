@@ -220,6 +220,19 @@ def config_files(config_raw: bytes):
 # --- header parsing ----------------------------------------------------------------------------
 
 
+def read_or_refuse(d: Path, name: str, content: bytes) -> None:
+    """Write ``content`` as shard ``name`` in ``d`` and read its header: either a one-line
+    ConvertError, or a header that ``check_accepted`` finds consistent with the file."""
+    (d / name).write_bytes(content)
+    try:
+        h = read_header(d, name)
+    except ConvertError as e:
+        one_line(e)
+    else:
+        event("accepted")
+        check_accepted(h, len(content))
+
+
 @settings(FUZZ, max_examples=examples(200))
 @given(data=st.one_of(
     st.binary(max_size=256),
@@ -228,15 +241,7 @@ def config_files(config_raw: bytes):
     st.tuples(json_values, st.binary(max_size=64)).map(lambda t: st_bytes(json.dumps(t[0]).encode(), t[1])),
 ))
 def test_fuzz_header_random_bytes(tmp_path, data):
-    d = Path(tempfile.mkdtemp(dir=tmp_path))
-    (d / "x.safetensors").write_bytes(data)
-    try:
-        h = read_header(d, "x.safetensors")
-    except ConvertError as e:
-        one_line(e)
-    else:
-        event("accepted")
-        check_accepted(h, len(data))
+    read_or_refuse(Path(tempfile.mkdtemp(dir=tmp_path)), "x.safetensors", data)
 
 
 @settings(FUZZ, max_examples=examples(250))
@@ -244,15 +249,7 @@ def test_fuzz_header_random_bytes(tmp_path, data):
 def test_fuzz_header_mutations(tmp_path, base, data):
     shard = data.draw(st.sampled_from([SHARD1, SHARD2]))
     content = apply(base[shard], data.draw(header_edits(base[shard])))
-    d = Path(tempfile.mkdtemp(dir=tmp_path))
-    (d / shard).write_bytes(content)
-    try:
-        h = read_header(d, shard)
-    except ConvertError as e:
-        one_line(e)
-    else:
-        event("accepted")
-        check_accepted(h, len(content))
+    read_or_refuse(Path(tempfile.mkdtemp(dir=tmp_path)), shard, content)
 
 
 # --- index and config --------------------------------------------------------------------------
