@@ -9,12 +9,19 @@ the weight and activation bytes come in by TMA through a ring of ``STAGES`` shar
 buffers, so loads for later tiles are in flight during the MMAs.
 
 Activations come either as e4m3 bytes (from ``quantize_activations``, by TMA into the ring) or
-as bf16, quantized inside the kernel (``FUSE_QUANT``: one launch instead of two, which pays off on
-the smaller weights): each program loads the bf16 K-tile it needs, rounds it exactly as
-``mxfp8_quantize`` does (the shared ``triton_mxfp8`` helpers), stores the e4m3 tile to shared
-memory, fences it for the async proxy and meets the other warps at a barrier before the wgmma
+as bf16/fp16/fp32, quantized inside the kernel (``FUSE_QUANT``: one launch instead of two, the
+rule's choice everywhere since the fifth session): each program loads the K-tile it needs, only
+its ``QM`` rows (M rounded up to a power of two; warp j takes 32-block j), rounds it as
+``mxfp8_quantize`` does (the code by the shared ``triton_mxfp8`` helper, the e4m3 rounding by the
+hardware's ``cvt.rn.satfinite``, which gives the same bytes), stores the e4m3 tile to shared
+memory (MMA columns QM..BM-1 read zeros) and the blocks' scales beside it, fences the tile for
+the async proxy and meets the other warps at the one barrier the tile needs before the wgmma
 reads it; this happens while the tile's weight bytes are still on their way. The weight scale
 words come from DRAM, so they are loaded up to three K-tiles ahead (``SW_AHEAD``).
+
+With ``PDL`` (programmatic dependent launch) the kernel first waits for the previous kernel in
+the stream (``griddepcontrol.wait``, before any memory access, so it never reads an unfinished
+input) and then lets the next one launch: launch latency is hidden behind the neighbours' tails.
 
 Numerics are those of the decode kernel: ``part = Wq[rows, b] @ Xq[:, b]^T`` on e4m3 operands
 (exact products, fp32 sums), ``acc += part * 2^(cw-127) * 2^(cx-127)``.
@@ -44,13 +51,24 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfp8_convert.errors import LayoutError
-from mxfp8_convert.runtime.triton_mxfp8 import _round_e4m3, _ue8m0_code
+from mxfp8_convert.runtime.triton_mxfp8 import _ue8m0_code
 from mxfp8_convert.runtime.weight import MXFP8Weight
 
 # TMA global->shared load: ``async_load`` since Triton 3.7, ``async_copy_global_to_shared`` before
 _tma_load = getattr(tma, "async_load", None) or tma.async_copy_global_to_shared
 # CTA-wide barrier: ``barrier`` since Triton 3.7, ``thread_barrier`` before
 _cta_barrier = getattr(gl, "barrier", None) or gl.thread_barrier
+
+if hasattr(gl.shared_memory_descriptor, "reinterpret"):  # Triton >= 3.7
+
+    @gluon.jit
+    def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+        return buf.reinterpret(dtype, shape, layout)
+else:
+
+    @gluon.jit
+    def _reinterpret(buf, dtype: gl.constexpr, shape: gl.constexpr, layout: gl.constexpr):
+        return buf._reinterpret(dtype, shape, layout)
 
 #: Kernel code of each weight layout (the canonical layout is not served here).
 LAYOUT_CODE = {"cutlass": 0, "trtllm": 1}
@@ -62,8 +80,18 @@ BLOCK_K = 128  # K per pipeline stage: four 32-blocks, one 128x4 scale word per 
 def _pow2_f32(e_field):
     """fp32 ``2^(e_field - 127)`` for e_field in 0..254 (0 gives the subnormal 2^-127); the Gluon
     twin of ``triton_mxfp8._pow2_f32``, kept as a Gluon function next to the kernel that uses it."""
-    bits = gl.where(e_field <= 0, 0x400000, e_field << 23)
+    bits = gl.maximum(e_field << 23, 0x400000)  # e_field <= 0 (negative bits, or 0): 2^-127
     return bits.to(gl.float32, bitcast=True)
+
+
+@gluon.jit
+def _gdc_wait_and_release():
+    """Programmatic dependent launch: wait until the previous kernel in the stream has finished
+    and its writes are visible (``griddepcontrol.wait``), then let the next kernel launch
+    (``launch_dependents``: it must wait likewise before it reads anything). Both are no-ops for
+    a kernel launched without the attribute."""
+    gl.inline_asm_elementwise("griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;", "=r", [],
+                              dtype=gl.int32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -79,17 +107,27 @@ def _issue_tile(w_desc, x_desc, w_s, x_s, bar, stage, p0, k0, pred, LOAD_X: gl.c
 
 
 @gluon.jit
-def _quantize_tile(xt, xb4, xq_s, col_l: gl.constexpr):
-    """MXFP8-quantize a bf16 activation tile ``xt [BM, 4, 32]`` (a K-tile as four 32-blocks) as
-    ``mxfp8_quantize`` does: the e4m3 values go to ``xq_s [BM, 128]``; the blocks' UE8M0 codes
-    come back packed in one int32 per row (block j in bits 8j..8j+7, as in a 128x4 scale word),
-    in ``col_l``: one layout conversion. ``xb4`` is ``arange(4)`` along the block axis."""
+def _quantize_tile(xt, xq_s, xs_s, x4_l: gl.constexpr):
+    """MXFP8-quantize a bf16 activation tile ``xt [QM, 4, 32]`` (``QM`` rows of a K-tile as four
+    32-blocks, in ``SliceLayout(0, x4_l)``) as ``mxfp8_quantize`` does: the e4m3 values go to rows
+    ``0..QM-1`` of ``xq_s [BM, 128]`` (the other rows get zeros), the blocks' scales
+    ``2^(code - 127)`` (fp32) to columns ``0..QM-1`` of ``xs_s [4, BM]``.
+
+    The e4m3 rounding is the hardware's (``cvt.rn.satfinite``: nearest, ties to even); the scaled
+    values lie within +-448 by the choice of code, so saturation never applies and the bytes are
+    those of the reference rounding (``triton_mxfp8._round_e4m3``, which the CPU interpreter needs)."""
+    QM: gl.constexpr = xt.shape[0]
+    BM: gl.constexpr = xq_s.shape[0]
     xf = xt.to(gl.float32)
-    code = _ue8m0_code(gl.max(gl.abs(xf), axis=2))  # [BM, 4]
-    r = _round_e4m3(xf * _pow2_f32(254 - gl.expand_dims(code, 2)))
-    xq_s.store(gl.reshape(r.to(gl.float8e4nv), [xt.shape[0], 128]))  # exact: r is an e4m3 value
-    word = gl.sum(code << gl.expand_dims(xb4 * 8, 0), axis=1)  # codes < 256: the sum is an OR
-    return gl.convert_layout(word, col_l).to(gl.uint32, bitcast=True)
+    code = _ue8m0_code(gl.max(gl.abs(xf), axis=2))  # [QM, 4]
+    q = (xf * gl.expand_dims(_pow2_f32(254 - code), 2)).to(gl.float8e4nv)
+    # the MMA reads BM rows and the tile's 128-byte swizzle allows no store to fewer: rows QM..BM-1
+    # are zeros, BM / QM - 1 copies of the tile in each thread's registers, written as zeros
+    copy = gl.arange(0, BM // QM, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x4_l))))
+    first = gl.expand_dims(gl.expand_dims(gl.expand_dims(copy == 0, 1), 2), 3)
+    q4 = gl.where(first, gl.expand_dims(q.to(gl.int8, bitcast=True), 0), 0).to(gl.float8e4nv, bitcast=True)
+    xq_s.store(gl.reshape(q4, [BM, 128]))
+    xs_s.slice(0, QM, dim=1).store(gl.permute(_pow2_f32(code), (1, 0)))
 
 
 @gluon.jit
@@ -102,13 +140,11 @@ def _part(w_s, x_s, stage, xb, zero, j: gl.constexpr):
 
 
 @gluon.jit
-def _rescale(acc, part, sw_word, cx, j: gl.constexpr):
-    """``acc += part * 2^(cw_j - 127) * 2^(cx_j - 127)`` for 32-block ``j`` of the K-tile (``cx``
-    the activation codes of block j, or all four packed in a word when ``cx`` is 32-bit words)."""
-    cw = (sw_word >> (8 * j)) & 0xFF
-    if cx.dtype == gl.uint32:
-        cx = ((cx >> (8 * j)) & 0xFF).to(gl.int32)
-    return acc + part * gl.expand_dims(_pow2_f32(cw), 1) * gl.expand_dims(_pow2_f32(cx), 0)
+def _rescale(acc, part, sw_word, sx, j: gl.constexpr):
+    """``acc += part * 2^(cw_j - 127) * sx`` for 32-block ``j`` of the K-tile: ``cw_j`` byte j of
+    the rows' 128x4 scale words, ``sx`` the activation columns' scales of block j (fp32)."""
+    sw = _pow2_f32((sw_word >> (8 * j)) & 0xFF)
+    return acc + part * gl.expand_dims(sw, 1) * gl.expand_dims(sx, 0)
 
 
 @gluon.jit
@@ -116,9 +152,11 @@ def _wgmma_decode_kernel(
     w_desc, x_desc, x_ptr, s_ptr, xc_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, K, stride_xm, stride_om, stride_os, scale_cp4, split_k,
     LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr,
-    FUSE_QUANT: gl.constexpr, BM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
-    SW_AHEAD: gl.constexpr, num_warps: gl.constexpr,
+    FUSE_QUANT: gl.constexpr, BM: gl.constexpr, QM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
+    SW_AHEAD: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
 ):
+    if PDL:  # before any access to memory
+        _gdc_wait_and_release()
     BN: gl.constexpr = w_desc.block_type.shape[0]
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
@@ -155,9 +193,20 @@ def _wgmma_decode_kernel(
     sw_2 = gl.load(sw_ptrs + gl.minimum(kt0 + 2, last) * 128)
     # bf16 activations (or activation codes, both from L2) of the current tile; the next tile's
     # are loaded one iteration ahead
-    if FUSE_QUANT:  # [BM, 4, 32]: a thread holds 8 elements of one 32-block, a block spans 4 threads
-        x_l: gl.constexpr = gl.BlockedLayout([1, 1, 8], [2, 4, 4], [num_warps, 1, 1], [2, 1, 0])
-        xr = gl.arange(0, BM, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
+    if FUSE_QUANT:
+        # [QM, 4, 32], QM = M rounded up to a power of two: warp j quantizes 32-block j, a row's
+        # block spans 32 / QM threads of QM elements each (x4_l adds the zero rows QM..BM-1)
+        x4_l: gl.constexpr = gl.BlockedLayout([BM // QM, 1, 1, QM], [1, QM, 1, 32 // QM], [1, 1, num_warps, 1],
+                                              [3, 2, 1, 0])
+        x_l: gl.constexpr = gl.SliceLayout(0, x4_l)
+        # activation scales: [buffer, block, column] written, [buffer * 4 + block][column] read;
+        # columns QM..BM-1 stay zero
+        xs_s = gl.allocate_shared_memory(gl.float32, [2, 4, BM], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
+        xs_rows = _reinterpret(xs_s, gl.float32, [8, BM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        z_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [num_warps, 1], [1, 0])
+        for b in gl.static_range(2):
+            xs_s.index(b).store(gl.zeros([4, BM], gl.float32, z_l))
+        xr = gl.arange(0, QM, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
         xb4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
         xe = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
         xrb = gl.expand_dims(gl.expand_dims(xr.to(gl.int64) * stride_xm, 1) + gl.expand_dims(xb4 * 32, 0), 2)
@@ -166,10 +215,10 @@ def _wgmma_decode_kernel(
         xt = gl.load(x_ptrs + kt0 * 128, mask=x_mask, other=0.0)
     else:
         xc_ptrs = xc_ptr + gl.minimum(cols, M - 1).to(gl.int64) * (K // 32)  # rows past M repeat row M-1
-        cx0 = gl.load(xc_ptrs + kt0 * 4)
-        cx1 = gl.load(xc_ptrs + kt0 * 4 + 1)
-        cx2 = gl.load(xc_ptrs + kt0 * 4 + 2)
-        cx3 = gl.load(xc_ptrs + kt0 * 4 + 3)
+        sx0 = _pow2_f32(gl.load(xc_ptrs + kt0 * 4))
+        sx1 = _pow2_f32(gl.load(xc_ptrs + kt0 * 4 + 1))
+        sx2 = _pow2_f32(gl.load(xc_ptrs + kt0 * 4 + 2))
+        sx3 = _pow2_f32(gl.load(xc_ptrs + kt0 * 4 + 3))
     for i in range(n_it):
         stage = i % STAGES
         nxt = i + STAGES - 1  # refill the stage of tile i-1, whose MMAs were waited for
@@ -180,15 +229,18 @@ def _wgmma_decode_kernel(
         if FUSE_QUANT:  # quantize tile i while its weight bytes are still on their way
             xt_next = gl.load(x_ptrs + kn * 128, mask=x_mask, other=0.0)
             xb = i % 2
-            cx_word = _quantize_tile(xt, xb4, x_s.index(xb), col_l)
+            _quantize_tile(xt, x_s.index(xb), xs_s.index(xb), x4_l)
             fence_async_shared()  # the threads' stores, before the wgmma (async proxy) reads them
-            _cta_barrier()  # every warp's rows of the tile are stored
-            cx0, cx1, cx2, cx3 = cx_word, cx_word, cx_word, cx_word
+            _cta_barrier()  # every warp's blocks of the tile are stored
+            sx0 = xs_rows.index(xb * 4 + 0).load(col_l)
+            sx1 = xs_rows.index(xb * 4 + 1).load(col_l)
+            sx2 = xs_rows.index(xb * 4 + 2).load(col_l)
+            sx3 = xs_rows.index(xb * 4 + 3).load(col_l)
         else:
-            cn0 = gl.load(xc_ptrs + kn * 4)
-            cn1 = gl.load(xc_ptrs + kn * 4 + 1)
-            cn2 = gl.load(xc_ptrs + kn * 4 + 2)
-            cn3 = gl.load(xc_ptrs + kn * 4 + 3)
+            sn0 = _pow2_f32(gl.load(xc_ptrs + kn * 4))
+            sn1 = _pow2_f32(gl.load(xc_ptrs + kn * 4 + 1))
+            sn2 = _pow2_f32(gl.load(xc_ptrs + kn * 4 + 2))
+            sn3 = _pow2_f32(gl.load(xc_ptrs + kn * 4 + 3))
             xb = stage
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
         p_0 = _part(w_s, x_s, stage, xb, zero, 0)
@@ -196,13 +248,13 @@ def _wgmma_decode_kernel(
         p_2 = _part(w_s, x_s, stage, xb, zero, 2)
         p_3 = _part(w_s, x_s, stage, xb, zero, 3)
         p_0 = warpgroup_mma_wait(num_outstanding=3, deps=(p_0,))
-        acc = _rescale(acc, p_0, sw_word, cx0, 0)
+        acc = _rescale(acc, p_0, sw_word, sx0, 0)
         p_1 = warpgroup_mma_wait(num_outstanding=2, deps=(p_1,))
-        acc = _rescale(acc, p_1, sw_word, cx1, 1)
+        acc = _rescale(acc, p_1, sw_word, sx1, 1)
         p_2 = warpgroup_mma_wait(num_outstanding=1, deps=(p_2,))
-        acc = _rescale(acc, p_2, sw_word, cx2, 2)
+        acc = _rescale(acc, p_2, sw_word, sx2, 2)
         p_3 = warpgroup_mma_wait(num_outstanding=0, deps=(p_3,))
-        acc = _rescale(acc, p_3, sw_word, cx3, 3)
+        acc = _rescale(acc, p_3, sw_word, sx3, 3)
         if SW_AHEAD == 1:
             sw_word = sw_new
         elif SW_AHEAD == 2:
@@ -212,7 +264,7 @@ def _wgmma_decode_kernel(
         if FUSE_QUANT:
             xt = xt_next
         else:
-            cx0, cx1, cx2, cx3 = cn0, cn1, cn2, cn3
+            sx0, sx1, sx2, sx3 = sn0, sn1, sn2, sn3
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
@@ -230,11 +282,22 @@ def _wgmma_decode_kernel(
             _cta_barrier()  # every thread's partial is stored before the release below
             arrived = gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
             if arrived == split_k - 1:
+                if HAS_BIAS:  # loaded first: its latency overlaps the partials'
+                    bias = gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32)
+                # four partials per round trip to L2, summed in split order: the bits do not depend
+                # on which split arrived last, nor on the path that computed the partials
                 total = gl.zeros([BN, BM], gl.float32, acc_l)
-                for sp in range(0, split_k):
-                    total += gl.load(ws_ptr + sp * stride_os + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+                for sp in range(0, split_k, 4):
+                    p_0 = gl.load(ws_ptr + sp * stride_os + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+                    p_1 = gl.load(ws_ptr + (sp + 1) * stride_os + ws_off, mask=mask & (sp + 1 < split_k), other=0.0,
+                                  cache_modifier=".cg")
+                    p_2 = gl.load(ws_ptr + (sp + 2) * stride_os + ws_off, mask=mask & (sp + 2 < split_k), other=0.0,
+                                  cache_modifier=".cg")
+                    p_3 = gl.load(ws_ptr + (sp + 3) * stride_os + ws_off, mask=mask & (sp + 3 < split_k), other=0.0,
+                                  cache_modifier=".cg")
+                    total = total + p_0 + p_1 + p_2 + p_3
                 if HAS_BIAS:
-                    total += gl.expand_dims(gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32), 1)
+                    total += gl.expand_dims(bias, 1)
                 gl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(lock_ptr + pid_n, 0)  # re-arm for the next call
     else:
@@ -253,14 +316,16 @@ def supported(weight: MXFP8Weight, k: int) -> bool:
 def wgmma_decode(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
     ws: torch.Tensor | None, lock: torch.Tensor | None, *, split_k: int, xc: torch.Tensor | None = None,
-    stages: int = 2, sw_ahead: int = 1,
+    stages: int = 2, sw_ahead: int = 1, pdl: bool = False,
 ) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16); with ``split_k > 1`` fp32 partials go to ``ws``
     ``[split_k, M, N]`` and are summed by the last program of each row tile to arrive when
     ``lock`` (zeroed int32 arrival counters, one per row tile) is given, else by the caller.
 
     ``stages`` TMA buffers in the ring; the weight scale words are loaded ``sw_ahead`` (1..3)
-    K-tiles ahead.
+    K-tiles ahead. ``pdl``: launched as a programmatic dependent of the previous kernel in the
+    stream, which it waits for before touching memory, and releasing the next one at once (a
+    caller summing the partials with a second kernel launches it with PDL too).
 
     Args:
         x: bf16/fp16/fp32 activations ``[M, K]`` (unit stride along K), quantized inside the
@@ -292,6 +357,6 @@ def wgmma_decode(
         ws if partial else out, lock if lock is not None else scale, m, n, k, x.stride(0), out.stride(0),
         m * n, cp4, split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
-        SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, X_SMEM=x_layout, STAGES=stages,
-        SW_AHEAD=sw_ahead, num_warps=4,
+        SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=triton.next_power_of_2(m), X_SMEM=x_layout, STAGES=stages,
+        SW_AHEAD=sw_ahead, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )

@@ -52,6 +52,7 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_wait
 
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.runtime.weight import CANONICAL, MXFP8Weight
@@ -288,14 +289,24 @@ def _mxfp8_gemm_kernel(
 
 @triton.jit(do_not_specialize=["total", "stride_ps", "split_k"])
 def _splitk_reduce_kernel(p_ptr, b_ptr, out_ptr, N, total, stride_ps, split_k,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+    if PDL:  # a programmatic dependent of the GEMM: its partials are complete and visible after this
+        gdc_wait()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    for s in range(1, split_k):
-        acc += tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0)
     if HAS_BIAS:
-        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    # four partials per round trip, summed in split order
+    for s in range(1, split_k, 4):
+        sv = offs * 0 + s  # the split as a tensor: the interpreter takes no scalar in a mask
+        p1 = tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0)
+        p2 = tl.load(p_ptr + (s + 1) * stride_ps + offs, mask=mask & (sv + 1 < split_k), other=0.0)
+        p3 = tl.load(p_ptr + (s + 2) * stride_ps + offs, mask=mask & (sv + 2 < split_k), other=0.0)
+        p4 = tl.load(p_ptr + (s + 3) * stride_ps + offs, mask=mask & (sv + 3 < split_k), other=0.0)
+        acc = acc + p1 + p2 + p3 + p4
+    if HAS_BIAS:
+        acc += bias
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
@@ -685,6 +696,7 @@ class GemmConfig:
     wgmma: bool = False  # M <= 16: the Gluon kernel, FP8 wgmma per 32-block, four in flight
     chunk_n: int = 0  # cublas: weight rows dequantized per chunk (0: as many as the workspace holds)
     sw_ahead: int = 1  # wgmma: K-tiles ahead of use that the weight scale words are loaded
+    pdl: bool = False  # wgmma: programmatic dependent launch (``gluon_mxfp8.wgmma_decode``)
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -785,7 +797,8 @@ def _gluon():
 
 
 def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 2, waves: float = 3.0,
-                 serial_reduce: bool = True, fuse_quant: bool = False, sw_ahead: int = 1) -> GemmConfig:
+                 serial_reduce: bool = True, fuse_quant: bool = False, sw_ahead: int = 1,
+                 pdl: bool = False) -> GemmConfig:
     """Config of the Gluon wgmma decode kernel: 64 physical weight rows per program, 128-wide
     K-tiles in a ring of ``stages`` TMA buffers, weight scale words loaded ``sw_ahead`` K-tiles
     ahead, split-K up to ~``waves`` x SMs programs (none when the row tiles alone fill 2.5 waves:
@@ -798,7 +811,7 @@ def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 
     split = 1 if tiles >= 2.5 * sms else max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
     split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
     return GemmConfig(64, 16, 128, split_k=split, fuse_quant=fuse_quant, num_warps=4, num_stages=stages,
-                      serial_reduce=serial_reduce, wgmma=True, sw_ahead=sw_ahead)
+                      serial_reduce=serial_reduce, wgmma=True, sw_ahead=sw_ahead, pdl=pdl)
 
 
 #: Below this many weight elements the GEMV kernel (M = 1) and the tile kernel (M = 9..16) stay
@@ -1025,12 +1038,15 @@ def _split_k_buffers(out: torch.Tensor, cfg: GemmConfig, tiles: int):
     return partial, serial, ws, lock
 
 
-def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, has_bias: bool) -> None:
-    """Sum the split-K partials ``ws`` (+ bias) into ``out`` with a second kernel."""
+def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, has_bias: bool,
+                   pdl: bool = False) -> None:
+    """Sum the split-K partials ``ws`` (+ bias) into ``out`` with a second kernel (``pdl``: launched
+    as a programmatic dependent of the GEMM, which lets it launch early)."""
     total = out.shape[0] * out.shape[1]
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(total, block),)](
-        ws, bias, out, out.shape[1], total, total, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, num_warps=4,
+        ws, bias, out, out.shape[1], total, total, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, PDL=pdl,
+        num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -1152,20 +1168,19 @@ def _quantize_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
 def _launch_wgmma(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
 ) -> torch.Tensor:
-    """Activation quantization (unless the kernel does it), the Gluon wgmma decode kernel, and
-    the split-K reduction (unless serial). The kernel quantizes bf16 activations itself (the
-    dtype its GPU tests cover); fp16/fp32 ones go through the quantization kernel first, which is
-    bit-exact for all three."""
+    """Activation quantization (unless the kernel does it: bf16, fp16 or fp32 activations, the
+    same bits as the quantization kernel's), the Gluon wgmma decode kernel, and the split-K
+    reduction (unless serial)."""
     gluon = _gluon()
     if gluon is None:
         raise LayoutError("the wgmma decode kernel needs Triton's Gluon (triton >= 3.6)")
-    xq, xc = (x, None) if cfg.fuse_quant and x.dtype == torch.bfloat16 else _quantize_codes(x)
+    xq, xc = (x, None) if cfg.fuse_quant else _quantize_codes(x)
     has_bias = bias is not None
     partial, serial, ws, lock = _split_k_buffers(out, cfg, triton.cdiv(weight.shape[0], cfg.block_n))
     gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
-                       split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead)
+                       split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl)
     if partial and not serial:
-        _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias)
+        _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl)
     return out
 
 

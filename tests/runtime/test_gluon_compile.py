@@ -5,7 +5,8 @@ Gluon has no CPU interpreter, so its numerics are proven by the ``gpu`` tests on
 compiles the kernel for Hopper as it would at launch and we read the SASS: four FP8 wgmma per
 K-tile issued before the first wait (``DEPBAR.LE gsb0, 0x3``), TMA loads, no local-memory spills,
 and, with the activations quantized in the kernel, the proxy fence between the threads' stores of
-the e4m3 tile and the wgmma that reads it.
+the e4m3 tile and the wgmma that reads it, the hardware's e4m3 conversion of just the M rows
+(rounded up to a power of two), and no CTA barrier beyond the three a K-tile needs.
 """
 
 from __future__ import annotations
@@ -20,7 +21,7 @@ import torch
 gluon_mxfp8 = pytest.importorskip("mxfp8_convert.runtime.gluon_mxfp8")
 
 
-def _sass(bm: int, layout: str, serial: bool, fuse: bool) -> str:
+def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -43,7 +44,7 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool) -> str:
         sig.update(x_desc=mangle_type(TensorDescriptor(xq, [16, k], [k, 1], [bm, bk], x_smem)), x_ptr="*fp8e4nv")
         const = {}
     const.update({"LAYOUT": gluon_mxfp8.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": True, "SERIAL": serial,
-                  "FUSE_QUANT": fuse, "BM": bm, "X_SMEM": x_smem, "STAGES": 2, "SW_AHEAD": 3, "num_warps": 4})
+                  "FUSE_QUANT": fuse, "BM": bm, "QM": qm or bm, "X_SMEM": x_smem, "STAGES": 2, "SW_AHEAD": 3, "PDL": pdl, "num_warps": 4})
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -53,7 +54,8 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool) -> str:
     assert kernel.metadata.shared <= 64 * 1024
     cubin = kernel.asm["cubin"]
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"), f"mxfp8_gluon_{os.getpid()}_{bm}_{layout}_{serial}_{fuse}.cubin")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                        f"mxfp8_gluon_{os.getpid()}_{bm}_{qm}_{layout}_{serial}_{fuse}_{pdl}.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
     try:
@@ -63,19 +65,53 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool) -> str:
         os.unlink(path)
 
 
-@pytest.mark.parametrize("fuse", [True, False], ids=["fused-quant", "e4m3-by-tma"])
-@pytest.mark.parametrize("bm", [8, 16])
+def _k_loop(sass: str) -> list[str]:
+    """The instructions of the K-tile loop: up to its back edge, the first backward branch after
+    the QGMMAs that jumps to before them (the mbarrier wait's retry blocks, also jumping back,
+    lie past the end of the kernel)."""
+    ins = [(int(a, 16), t) for a, t in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    mma = [a for a, t in ins if "QGMMA" in t]
+    edges = [(a, int(m.group(1), 16)) for a, t in ins if (m := re.search(r"BRA (0x[0-9a-f]+)", t))]
+    end, start = min((a, target) for a, target in edges if target < mma[0] and a > mma[-1])
+    return [t for a, t in ins if start <= a <= end]
+
+
+@pytest.mark.parametrize("fuse,bm,qm", [(True, 8, 1), (True, 8, 8), (True, 16, 16), (False, 8, 0), (False, 16, 0)],
+                         ids=["fused-m1", "fused-m8", "fused-m16", "e4m3-by-tma-m8", "e4m3-by-tma-m16"])
 @pytest.mark.parametrize("layout,serial", [("trtllm", True), ("cutlass", False)])
-def test_wgmma_kernel_compiles_for_sm90_with_mmas_in_flight(bm, layout, serial, fuse):
-    sass = _sass(bm, layout, serial, fuse)
+def test_wgmma_kernel_compiles_for_sm90_with_mmas_in_flight(bm, qm, layout, serial, fuse):
+    sass = _sass(bm, layout, serial, fuse, qm)
     assert len(re.findall(rf"QGMMA\.64x{bm}x32\.F32\.E4M3\.E4M3", sass)) == 4  # one per 32-block of the tile
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
     assert waits == ["3", "2", "1", "0"]  # each part waited for while the later ones still run
     # by TMA: weights and (not fused) activations, in the prologue and the loop
     assert len(re.findall(r"UTMALDG", sass)) == 2 * (1 if fuse else 2)
+    loop = _k_loop(sass)
     # fused: the e4m3 tile written by the threads is made visible to the async proxy (wgmma)
-    assert ("FENCE.VIEW.ASYNC.S" in sass) == fuse
+    assert any(t.startswith("FENCE.VIEW.ASYNC.S") for t in loop) == fuse
     assert not re.search(r"\b(STL|LDL)\b", sass)  # no register spills
+    if fuse:
+        # the CTA barriers of a K-tile: the two Triton puts before the TMA issue (mbarrier expect,
+        # copy) and the one after the tile's stores; the activation scales travel with the tile
+        # (no layout conversion through shared memory and its own barriers)
+        assert sum(t.startswith("BAR.SYNC") for t in loop) == 3
+        # e4m3 rounding by the hardware conversion, QM rows: one cvt per 2 values a thread holds
+        assert sum("F2FP.SATFINITE.E4M3.F32" in t for t in loop) == max(qm // 2, 1)
+
+
+@pytest.mark.parametrize("fuse", [True, False], ids=["fused", "e4m3-by-tma"])
+def test_pdl_waits_for_the_previous_kernel_before_any_memory_access(fuse):
+    """Launched as a programmatic dependent, the kernel waits for the previous kernel
+    (``griddepcontrol.wait``: ACQBULK) before its first load, store, TMA or mbarrier operation,
+    then lets the next kernel launch (PREEXIT); without PDL neither instruction is there."""
+    memory = re.compile(r"\b(LDG|STG|LDS|STS|ATOM|ATOMG|RED|UTMALDG|UTMAPF|SYNCS)\b")  # not LDC: parameters
+    sass = _sass(8, "trtllm", True, fuse, pdl=True)
+    ins = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", sass, re.M)
+    first_wait = next(i for i, t in enumerate(ins) if t.startswith("ACQBULK"))
+    assert not any(memory.search(t) for t in ins[:first_wait])
+    assert any(t.startswith("PREEXIT") for t in ins[first_wait:])
+    plain = _sass(8, "trtllm", True, fuse)
+    assert "ACQBULK" not in plain and "PREEXIT" not in plain
 
 
 def test_launcher_refuses_what_the_kernel_cannot_read():

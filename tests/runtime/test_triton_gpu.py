@@ -40,14 +40,18 @@ def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
-def _check_twice(tri, x, w, bias, ref, cfg) -> None:
+def _check_twice(tri, x, w, bias, ref, cfg) -> torch.Tensor:
     """``cfg`` writes every output element within 1e-2 of ``ref``, twice (split-K arrival counters
-    and reused workspaces must re-arm)."""
+    and reused workspaces must re-arm), the same bits both times; returns the output."""
+    outs = []
     for _ in range(2):
         out = torch.full((x.shape[0], ref.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
         tri.triton_linear(x, w, bias, out=out, config=cfg)
         assert not out.isnan().any(), cfg
         assert rel_err(out, ref) <= 1e-2, cfg
+        outs.append(out)
+    assert torch.equal(*outs), cfg
+    return outs[0]
 
 
 @pytest.mark.parametrize("m", MS)
@@ -150,15 +154,18 @@ def test_gemv_configs_agree(layout, m):
 
 
 @pytest.mark.parametrize("layout,n", [("trtllm", 576), ("trtllm", 544), ("cutlass", 544)])
-@pytest.mark.parametrize("m", [1, 5, 9, 16])
+@pytest.mark.parametrize("m", [1, 3, 5, 9, 16])
 def test_wgmma_configs_agree(layout, n, m):
     """The Gluon wgmma decode kernel: activations quantized inside it or by a separate kernel,
     scale words loaded one to three K-tiles ahead (with 0.01 waves a single program runs all of
     K), 8- and 16-column MMAs (M <= 8 / <= 16), TMA ring depths, split-K with the serial (last
     program) and the two-kernel reduction, N tail (544 = 8.5 x 64: TMA zero-fills rows past N),
-    physical-to-logical row mapping on the store (trtllm), bias; each config twice (the arrival
+    physical-to-logical row mapping on the store (trtllm), bias, programmatic dependent launch
+    (both kernels, one after the other); each config twice (the arrival
     counters must re-arm). The activations span 2^-10..2^10 across K, so every 32-block has its
-    own code."""
+    own code. The kernel's own quantization (of M rows rounded up to 1, 2, 4, 8 or 16; the other
+    MMA columns read zeros) gives the bits of the quantization kernel's: the two paths' outputs
+    are equal, bit for bit, config by config."""
     tri = _triton()
     if tri._gluon() is None:
         pytest.skip("Triton's Gluon is not installed")
@@ -168,34 +175,32 @@ def test_wgmma_configs_agree(layout, n, m):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
     dev = torch.device("cuda")
-    for fuse in (True, False):
-        for stages, waves, serial, ahead in ((3, 2, True, 1), (2, 0.01, True, 2), (6, 4, True, 3), (3, 2, False, 2)):
-            cfg = tri.wgmma_config(m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse,
-                                   sw_ahead=ahead)
-            _check_twice(tri, x, w, bias, ref, cfg)
+    configs = ((3, 2, True, 1, False), (2, 0.01, True, 2, False), (6, 4, True, 3, False), (3, 2, False, 2, False),
+               (2, 3, True, 2, True), (2, 3, False, 2, True))  # ..., programmatic dependent launch
+    for stages, waves, serial, ahead, pdl in configs:
+        outs = [_check_twice(tri, x, w, bias, ref, tri.wgmma_config(
+            m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse, sw_ahead=ahead, pdl=pdl))
+            for fuse in (True, False)]
+        assert torch.equal(*outs), (stages, waves, serial, ahead, pdl)
 
 
+@pytest.mark.parametrize("m", [2, 5])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
-def test_wgmma_activation_dtypes(dtype):
-    """fp16/fp32 activations through a fused wgmma config (``triton_linear`` quantizes them with
-    the quantization kernel first) and straight into the kernel's own quantization (the check
-    needed before ``_launch_wgmma`` may hand them to it)."""
+def test_wgmma_activation_dtypes(dtype, m):
+    """fp16/fp32 activations quantized inside the wgmma kernel (``_launch_wgmma`` hands them to
+    it as it does bf16 ones): within 1e-2 of the reference and, bit for bit, the output of the
+    same config fed by the quantization kernel."""
     tri = _triton()
-    gluon = tri._gluon()
-    if gluon is None:
+    if tri._gluon() is None:
         pytest.skip("Triton's Gluon is not installed")
-    n, k, m = 576, 7168, 5
+    n, k = 576, 7168
     w, q, code = random_weight(n, k, "trtllm", seed=31)
     x = (torch.randn(m, k, device="cuda") * torch.logspace(-3, 3, k, device="cuda")).to(dtype)
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
-    cfg = tri.wgmma_config(m, n, k, torch.device("cuda"), fuse_quant=True, sw_ahead=2)
-    _check_twice(tri, x, w, None, ref, cfg)
-    out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-    assert cfg.split_k > 1  # partials in ws, summed by the reduction kernel below
-    ws = torch.empty((cfg.split_k, m, n), device="cuda", dtype=torch.float32)
-    gluon.wgmma_decode(x, w, None, out, ws, None, split_k=cfg.split_k, sw_ahead=2)
-    tri._reduce_splits(ws, out, out, cfg, False)
-    assert not out.isnan().any() and rel_err(out, ref) <= 1e-2
+    dev = torch.device("cuda")
+    fused = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, dev, fuse_quant=True, sw_ahead=2))
+    before = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, dev, fuse_quant=False, sw_ahead=2))
+    assert torch.equal(fused, before)
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
