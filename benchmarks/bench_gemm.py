@@ -317,17 +317,17 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
     if not sweep:
         return out
     out["old"] = choose_config(m, n, k, dev, decode=False)
-    if sweep == "wgmma":  # the Gluon kernel: TMA ring depth x programs per SM
+    if sweep == "wgmma":  # the Gluon kernel: programs per SM x reduction x programmatic dependent launch
         from mxfp8_convert.runtime.triton_mxfp8 import gemv_rule, wgmma_config
 
-        variants = {  # name: (quantization inside the kernel, ring depth, scale words ahead, waves)
-            "sq.s2a1.w3": (False, 2, 1, 3), "sq.s2a1.w4": (False, 2, 1, 4), "sq.s2a2.w4": (False, 2, 2, 4),
-            "sq.s3a3.w3": (False, 3, 3, 3), "fq.s2a1.w2": (True, 2, 1, 2), "fq.s2a2.w2": (True, 2, 2, 2),
-            "fq.s2a2.w3": (True, 2, 2, 3), "fq.s3a3.w2": (True, 3, 3, 2),
+        variants = {  # name: (quantization inside the kernel, waves, serial reduction, PDL)
+            "fq.w2": (True, 2, True, False), "fq.w3": (True, 3, True, False), "fq.w2.pdl": (True, 2, True, True),
+            "fq.w3.pdl": (True, 3, True, True), "fq.w2.2k.pdl": (True, 2, False, True),
+            "fq.w3.2k.pdl": (True, 3, False, True), "sq.w4": (False, 4, True, False),
         }
-        for vname, (fuse, stages, ahead, waves) in variants.items():
-            out["wg." + vname] = wgmma_config(m, n, k, dev, stages=stages, waves=waves, fuse_quant=fuse,
-                                              sw_ahead=ahead)
+        for vname, (fuse, waves, serial, pdl) in variants.items():
+            out["wg." + vname] = wgmma_config(m, n, k, dev, waves=waves, fuse_quant=fuse, serial_reduce=serial,
+                                              sw_ahead=2 if fuse else 1, pdl=pdl)
         if (gemv := gemv_rule(m, n, k, dev)) is not None:
             out["gemv"] = gemv
         return out

@@ -814,46 +814,65 @@ def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 
                       serial_reduce=serial_reduce, wgmma=True, sw_ahead=sw_ahead, pdl=pdl)
 
 
-#: Below this many weight elements the GEMV kernel (M = 1) and the tile kernel (M = 9..16) stay
-#: faster, and at M = 2..8 the wgmma kernel runs with fewer programs (~2 per SM instead of ~3).
+#: Below this many weight elements the tile kernel stays faster at M = 9..16 (and the GEMV kernel
+#: at M = 1 without programmatic dependent launch), and the wgmma kernel runs with fewer programs
+#: at M <= 8 (~2 per SM instead of ~3).
 WGMMA_SMALL_WEIGHT = 8_000_000
-#: From this many weight elements (from :data:`WGMMA_MID_WEIGHT` at M = 9..16) the wgmma kernel
-#: reads activations quantized by a kernel before it, with ~4 (~3) programs per SM; below, it
-#: quantizes them itself (one launch).
-WGMMA_LARGE_WEIGHT = 32_000_000
+#: From this many weight elements, ~3 programs per SM at M = 9..16 (below, ~2).
 WGMMA_MID_WEIGHT = 20_000_000
+#: From M = 5 on, split-K partials are summed by a second kernel where K is split at most this
+#: many ways, on weights of fewer than :data:`WGMMA_HUGE_WEIGHT` elements; elsewhere (and at
+#: M <= 4) by the last program of each row tile to arrive.
+WGMMA_TWO_KERNEL_SPLIT = 8
+WGMMA_HUGE_WEIGHT = 64_000_000
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Whether the wgmma path launches its kernels as programmatic dependents (PDL): on Hopper or
+    newer, with a CUDA 12.4+ build of torch (CUDA graphs capture the programmatic edges), unless
+    ``MXFP8_PDL=0``. FlashInfer enables PDL by default on the same GPUs (``device_support_pdl``).
+    Safe with any neighbour: each kernel waits for the previous one before its first memory access
+    (``gluon_mxfp8.wgmma_decode``); a kernel launched without the attribute is not affected."""
+    if os.environ.get("MXFP8_PDL", "1") == "0" or device.type != "cuda" or not torch.version.cuda:
+        return False
+    cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
+    return cuda >= (12, 4) and torch.cuda.get_device_capability(device)[0] >= 9
 
 
 def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
     """The Gluon wgmma kernel's config where it measured fastest on the H200
-    (benchmarks/NOTES_gemm.md, "Fourth session", calls 6, 8 and 9), else None. Hopper with Gluon,
-    K % 128 == 0, M <= 16, and by weight size (elements):
+    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2 and 4), else None. Hopper with Gluon,
+    K % 128 == 0, M <= 16; activations always quantized inside the kernel (scale words two K-tiles
+    ahead); by weight size (elements):
 
-    ========  =================  =====================  ======================
-    M         < 8 M              8 M .. 32 M             >= 32 M
-    ========  =================  =====================  ======================
-    1         None (GEMV)        fused, 3 waves          quantized before, 4 waves
-    2..8      fused, 2 waves     fused, 3 waves          quantized before, 4 waves
-    9..16     None (tile)        fused, 2 waves < 20 M;  quantized before, 3 waves
-                                 else quantized before,
-                                 3 waves
-    ========  =================  =====================  ======================
+    ========  ==========================  ================  ================
+    M         < 8 M                       8 M .. 20 M       >= 20 M
+    ========  ==========================  ================  ================
+    1         2 waves (GEMV without PDL)  3 waves           3 waves
+    2..8      2 waves                     3 waves           3 waves
+    9..16     None (tile)                 2 waves           3 waves
+    ========  ==========================  ================  ================
 
-    "fused": activations quantized inside the kernel, scale words two K-tiles ahead; "waves":
-    split-K up to that many programs per SM (:func:`wgmma_config`). Every cell was measured on
-    the model shapes. Llama's MLP (58.7 M) ran faster fused in call 8 (x1.44-1.55 bf16 vs
-    x1.35-1.49 quantized before), but DeepSeek's q_b_proj (37.7 M) was not timed fused with the
-    current kernel, so 32 M stays the bound.
+    "waves": split-K up to that many programs per SM (:func:`wgmma_config`). The partials are
+    summed by the last program to arrive, or from M = 5 on by a second kernel where K is split 2-8
+    ways on weights under 64 M elements (:data:`WGMMA_TWO_KERNEL_SPLIT`). Programmatic dependent
+    launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
+    x1.17 bf16 with it, x1.39 without: the next call's programs, launched early into the free
+    slots, end up unevenly spread).
     """
     if m > 16 or k % 128 or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
     size = n * k
-    if (size < WGMMA_SMALL_WEIGHT and (m == 1 or m > 8)) or _gluon() is None:
+    pdl = pdl_enabled(device)
+    if (size < WGMMA_SMALL_WEIGHT and (m > 8 or (m == 1 and not pdl))) or _gluon() is None:
         return None
-    if size >= WGMMA_LARGE_WEIGHT or (m > 8 and size >= WGMMA_MID_WEIGHT):
-        return wgmma_config(m, n, k, device, waves=4 if m <= 8 else 3)
-    waves = 3 if size >= WGMMA_SMALL_WEIGHT and m <= 8 else 2
-    return wgmma_config(m, n, k, device, waves=waves, fuse_quant=True, sw_ahead=2)
+    if m <= 8:
+        waves = 2 if size < WGMMA_SMALL_WEIGHT else 3
+    else:
+        waves = 2 if size < WGMMA_MID_WEIGHT else 3
+    cfg = wgmma_config(m, n, k, device, waves=waves, fuse_quant=True, sw_ahead=2)
+    two_kernel = m >= 5 and 1 < cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT and size < WGMMA_HUGE_WEIGHT
+    return dataclasses.replace(cfg, serial_reduce=not two_kernel, pdl=pdl and not (m > 8 and cfg.split_k == 1))
 
 
 def use_decode(m: int, n: int, k: int, device: torch.device) -> bool:
@@ -912,8 +931,8 @@ def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool 
     """Tile choice by M bucket; rules fitted to sweeps on one H200 (benchmarks/NOTES_gemm.md).
 
     - :func:`wgmma_rule` (M <= 16, Hopper; ``wgmma=False`` skips it): the Gluon kernel, FP8 wgmma
-      per 32-block with four in flight, weights by TMA, activations quantized inside it (smaller
-      weights) or before it.
+      per 32-block with four in flight, weights by TMA, activations quantized inside it,
+      programmatic dependent launch where :func:`pdl_enabled`.
     - :func:`gemv_rule` (M <= 2): the CUDA-core GEMV kernel.
     - :func:`use_decode` (M <= 4 on large-N weights): the decode kernel, one FP8 MMA per 32-block
       (``decode=False`` skips these two, for comparisons).

@@ -262,14 +262,15 @@ def test_wgmma_is_the_rule_where_measured_faster():
     if torch.cuda.get_device_capability()[0] != 9 or tri._gluon() is None:
         pytest.skip("needs Hopper and Triton's Gluon")
     dev = torch.device("cuda")
-    assert not tri.choose_config(1, 1024, 4096, dev).wgmma and tri.choose_config(1, 1024, 4096, dev).gemv
-    assert tri.choose_config(1, 4096, 4096, dev).fuse_quant
-    large = tri.choose_config(1, 18432, 7168, dev)
-    assert large.wgmma and not large.fuse_quant
-    for m in (2, 8):
-        small = tri.choose_config(m, 1024, 4096, dev)  # 4.2 M elements: quantized in the kernel
-        assert small.wgmma and small.fuse_quant and small.sw_ahead == 2
-    assert not tri.choose_config(16, 1024, 4096, dev).wgmma and tri.choose_config(16, 4096, 4096, dev).fuse_quant
+    pdl = tri.pdl_enabled(dev)
+    assert tri.choose_config(1, 1024, 4096, dev).wgmma == pdl  # 4.2 M elements: else the GEMV kernel
+    for m in (1, 2, 8, 16):
+        cfg = tri.choose_config(m, 18432, 7168, dev)
+        assert cfg.wgmma and cfg.fuse_quant and cfg.sw_ahead == 2 and cfg.pdl == pdl
+    # 16.8 M elements, 7 splits: the last program sums the partials at M = 4, a second kernel at M = 8
+    assert tri.choose_config(4, 4096, 4096, dev).serial_reduce and not tri.choose_config(8, 4096, 4096, dev).serial_reduce
+    assert not tri.choose_config(16, 1024, 4096, dev).wgmma and tri.choose_config(16, 4096, 4096, dev).wgmma
+    assert not tri.choose_config(16, 24576, 1536, dev).pdl  # K unsplit at M > 8
     assert not tri.choose_config(17, 18432, 7168, dev).wgmma
     w, q, code = random_weight(4096, 4096, "canonical", seed=2)  # no 128x4 scale words: falls back
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)

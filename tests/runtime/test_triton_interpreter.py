@@ -222,38 +222,49 @@ def test_wgmma_rule_needs_a_hopper_gpu():
 
 def test_wgmma_rule_table(monkeypatch):
     """The rule fitted on the H200 (``wgmma_rule``'s table), evaluated as on a Hopper GPU with 132
-    SMs: which path each (M, weight size) gets, whether activations are quantized in the kernel,
-    and how far K is split."""
+    SMs: which path each (M, weight size) gets, how far K is split, which kernel sums the partials,
+    and where programmatic dependent launch is used (on by default, off with ``MXFP8_PDL=0`` or a
+    CUDA build before 12.4)."""
     import mxfp8_convert.runtime.triton_mxfp8 as tri
 
     if tri._gluon() is None:
         pytest.skip("Triton's Gluon (triton >= 3.6) is not installed")
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(torch.version, "cuda", "12.8")
+    monkeypatch.delenv("MXFP8_PDL", raising=False)
     dev = torch.device("cuda")
 
     def rule(m, n, k):
         cfg = tri.wgmma_rule(m, n, k, dev)
-        return None if cfg is None else (cfg.fuse_quant, cfg.split_k, cfg.sw_ahead)
+        return None if cfg is None else (cfg.fuse_quant, cfg.sw_ahead, cfg.split_k, cfg.serial_reduce, cfg.pdl)
 
-    def fused(m, n, k, waves):
-        return (True, tri.wgmma_config(m, n, k, dev, waves=waves).split_k, 2)
+    def expect(m, n, k, waves, serial=True, pdl=True):
+        return (True, 2, tri.wgmma_config(m, n, k, dev, waves=waves).split_k, serial, pdl)
 
-    def before(m, n, k, waves):
-        return (False, tri.wgmma_config(m, n, k, dev, waves=waves).split_k, 1)
-
-    small, mid, qwen_mlp, large = (1024, 4096), (4096, 4096), (9728, 2560), (24576, 1536)  # 4.2/16.8/24.9/37.7 M
-    assert rule(1, *small) is None and rule(16, *small) is None  # the GEMV / tile kernels
-    for m in (2, 8):
-        assert rule(m, *small) == fused(m, *small, 2)
-        assert rule(m, *mid) == fused(m, *mid, 3)
-        assert rule(m, *qwen_mlp) == fused(m, *qwen_mlp, 3)
-        assert rule(m, *large) == before(m, *large, 4)
-    assert rule(1, *mid) == fused(1, *mid, 3) and rule(1, *large) == before(1, *large, 4)
-    assert rule(16, *mid) == fused(16, *mid, 2)
-    assert rule(16, *qwen_mlp) == before(16, *qwen_mlp, 3) and rule(9, *large) == before(9, *large, 3)
+    # 4.2 / 10.5 / 16.8 / 24.9 / 37.7 / 132 M elements
+    small, qwen_q, mid, qwen_mlp, large, huge = (1024, 4096), (4096, 2560), (4096, 4096), (9728, 2560), (24576, 1536), \
+        (18432, 7168)
+    assert rule(1, *small) == expect(1, *small, 2) and rule(16, *small) is None  # the tile kernel at M > 8
+    for m in (1, 2, 4):  # the last program sums the partials
+        assert rule(m, *small) == expect(m, *small, 2)
+        for shape in (mid, qwen_mlp, large, huge):
+            assert rule(m, *shape) == expect(m, *shape, 3)
+    # from M = 5: a second kernel sums 2-8 partials (16.8 M: 7 splits; 4.2 M: 16; 132 M: 2 but huge)
+    assert rule(8, *mid) == expect(8, *mid, 3, serial=False) and rule(5, *mid) == expect(5, *mid, 3, serial=False)
+    assert rule(8, *small) == expect(8, *small, 2) and rule(8, *huge) == expect(8, *huge, 3)
+    assert expect(8, *small, 2)[2] > tri.WGMMA_TWO_KERNEL_SPLIT and 1 < expect(8, *huge, 3)[2] <= 8
+    assert rule(16, *mid) == expect(16, *mid, 2, serial=False) and rule(9, *qwen_q) == expect(9, *qwen_q, 2, serial=False)
+    assert rule(16, *qwen_mlp) == expect(16, *qwen_mlp, 3, serial=False)
+    assert rule(16, *large) == expect(16, *large, 3, pdl=False)  # K unsplit at M > 8: no PDL
+    assert expect(16, *large, 3)[2] == 1
     assert rule(17, *large) is None and rule(4, 4096, 4000) is None  # M > 16; K not a multiple of 128
-    assert fused(4, *mid, 2) != fused(4, *mid, 3)  # the waves are told apart
+    assert expect(4, *mid, 2) != expect(4, *mid, 3)  # the waves are told apart
+    monkeypatch.setenv("MXFP8_PDL", "0")  # without PDL: the same configs unlaunched as dependents, GEMV at M = 1
+    assert rule(4, *mid) == expect(4, *mid, 3, pdl=False) and rule(1, *small) is None
+    monkeypatch.delenv("MXFP8_PDL")
+    monkeypatch.setattr(torch.version, "cuda", "12.2")
+    assert rule(4, *mid) == expect(4, *mid, 3, pdl=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
     assert rule(4, *mid) is None  # Hopper only
 
