@@ -153,7 +153,7 @@ def _wgmma_decode_kernel(
     M, N, K, stride_xm, stride_om, stride_os, scale_cp4, split_k,
     LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr,
     FUSE_QUANT: gl.constexpr, BM: gl.constexpr, QM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
-    SW_AHEAD: gl.constexpr, PDL: gl.constexpr, num_warps: gl.constexpr,
+    SW_AHEAD: gl.constexpr, PDL: gl.constexpr, RED_CHUNK: gl.constexpr, num_warps: gl.constexpr,
 ):
     if PDL:  # before any access to memory
         _gdc_wait_and_release()
@@ -284,18 +284,14 @@ def _wgmma_decode_kernel(
             if arrived == split_k - 1:
                 if HAS_BIAS:  # loaded first: its latency overlaps the partials'
                     bias = gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32)
-                # four partials per round trip to L2, summed in split order: the bits do not depend
-                # on which split arrived last, nor on the path that computed the partials
+                # RED_CHUNK partials per round trip to L2 (the loads of a chunk go out together),
+                # summed in split order: the bits depend neither on which split arrived last nor
+                # on the chunk, nor on the path that computed the partials
                 total = gl.zeros([BN, BM], gl.float32, acc_l)
-                for sp in range(0, split_k, 4):
-                    p_0 = gl.load(ws_ptr + sp * stride_os + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
-                    p_1 = gl.load(ws_ptr + (sp + 1) * stride_os + ws_off, mask=mask & (sp + 1 < split_k), other=0.0,
-                                  cache_modifier=".cg")
-                    p_2 = gl.load(ws_ptr + (sp + 2) * stride_os + ws_off, mask=mask & (sp + 2 < split_k), other=0.0,
-                                  cache_modifier=".cg")
-                    p_3 = gl.load(ws_ptr + (sp + 3) * stride_os + ws_off, mask=mask & (sp + 3 < split_k), other=0.0,
-                                  cache_modifier=".cg")
-                    total = total + p_0 + p_1 + p_2 + p_3
+                for sp in range(0, split_k, RED_CHUNK):
+                    for j in gl.static_range(RED_CHUNK):
+                        total = total + gl.load(ws_ptr + (sp + j) * stride_os + ws_off, mask=mask & (sp + j < split_k),
+                                                other=0.0, cache_modifier=".cg")
                 if HAS_BIAS:
                     total += gl.expand_dims(bias, 1)
                 gl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -316,7 +312,7 @@ def supported(weight: MXFP8Weight, k: int) -> bool:
 def wgmma_decode(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
     ws: torch.Tensor | None, lock: torch.Tensor | None, *, split_k: int, xc: torch.Tensor | None = None,
-    stages: int = 2, sw_ahead: int = 1, pdl: bool = False,
+    stages: int = 2, sw_ahead: int = 1, pdl: bool = False, red_chunk: int = 4,
 ) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16); with ``split_k > 1`` fp32 partials go to ``ws``
     ``[split_k, M, N]`` and are summed by the last program of each row tile to arrive when
@@ -358,5 +354,5 @@ def wgmma_decode(
         m * n, cp4, split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
         SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=triton.next_power_of_2(m), X_SMEM=x_layout, STAGES=stages,
-        SW_AHEAD=sw_ahead, PDL=pdl, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )

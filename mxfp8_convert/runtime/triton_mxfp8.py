@@ -289,7 +289,8 @@ def _mxfp8_gemm_kernel(
 
 @triton.jit(do_not_specialize=["total", "stride_ps", "split_k"])
 def _splitk_reduce_kernel(p_ptr, b_ptr, out_ptr, N, total, stride_ps, split_k,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False):
+                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
+                          CHUNK: tl.constexpr = 4):
     if PDL:  # a programmatic dependent of the GEMM: its partials are complete and visible after this
         gdc_wait()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
@@ -297,14 +298,11 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, out_ptr, N, total, stride_ps, split_k,
     if HAS_BIAS:
         bias = tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    # four partials per round trip, summed in split order
-    for s in range(1, split_k, 4):
+    # CHUNK partials per round trip, summed in split order
+    for s in range(1, split_k, CHUNK):
         sv = offs * 0 + s  # the split as a tensor: the interpreter takes no scalar in a mask
-        p1 = tl.load(p_ptr + s * stride_ps + offs, mask=mask, other=0.0)
-        p2 = tl.load(p_ptr + (s + 1) * stride_ps + offs, mask=mask & (sv + 1 < split_k), other=0.0)
-        p3 = tl.load(p_ptr + (s + 2) * stride_ps + offs, mask=mask & (sv + 2 < split_k), other=0.0)
-        p4 = tl.load(p_ptr + (s + 3) * stride_ps + offs, mask=mask & (sv + 3 < split_k), other=0.0)
-        acc = acc + p1 + p2 + p3 + p4
+        for j in tl.static_range(CHUNK):
+            acc += tl.load(p_ptr + (s + j) * stride_ps + offs, mask=mask & (sv + j < split_k), other=0.0)
     if HAS_BIAS:
         acc += bias
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
@@ -697,6 +695,7 @@ class GemmConfig:
     chunk_n: int = 0  # cublas: weight rows dequantized per chunk (0: as many as the workspace holds)
     sw_ahead: int = 1  # wgmma: K-tiles ahead of use that the weight scale words are loaded
     pdl: bool = False  # wgmma: programmatic dependent launch (``gluon_mxfp8.wgmma_decode``)
+    red_chunk: int = 4  # wgmma: split-K partials loaded per round trip by the reducing program or kernel
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -798,7 +797,7 @@ def _gluon():
 
 def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 2, waves: float = 3.0,
                  serial_reduce: bool = True, fuse_quant: bool = False, sw_ahead: int = 1,
-                 pdl: bool = False) -> GemmConfig:
+                 pdl: bool = False, red_chunk: int = 0) -> GemmConfig:
     """Config of the Gluon wgmma decode kernel: 64 physical weight rows per program, 128-wide
     K-tiles in a ring of ``stages`` TMA buffers, weight scale words loaded ``sw_ahead`` K-tiles
     ahead, split-K up to ~``waves`` x SMs programs (none when the row tiles alone fill 2.5 waves:
@@ -810,19 +809,22 @@ def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 
     k_tiles = k // 128
     split = 1 if tiles >= 2.5 * sms else max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
     split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
+    # partials loaded per round trip when they are summed: all of them in one trip up to 16
+    # (measured: 16 at a time beat 4 by up to x0.27 bf16 on 10-28 splits, 8 beat 16 at 5-8)
+    red_chunk = red_chunk or min(16, max(4, triton.next_power_of_2(split)))
     return GemmConfig(64, 16, 128, split_k=split, fuse_quant=fuse_quant, num_warps=4, num_stages=stages,
-                      serial_reduce=serial_reduce, wgmma=True, sw_ahead=sw_ahead, pdl=pdl)
+                      serial_reduce=serial_reduce, wgmma=True, sw_ahead=sw_ahead, pdl=pdl, red_chunk=red_chunk)
 
 
-#: Below this many weight elements the tile kernel stays faster at M = 9..16 (and the GEMV kernel
-#: at M = 1 without programmatic dependent launch), and the wgmma kernel runs with fewer programs
-#: at M <= 8 (~2 per SM instead of ~3).
+#: Below this many weight elements the wgmma kernel runs with fewer programs (~2 per SM at
+#: M <= 8, ~1 at M = 9..16, instead of ~3 / ~2) and sums the partials in its last program; at
+#: M = 1 without programmatic dependent launch the GEMV kernel stays faster.
 WGMMA_SMALL_WEIGHT = 8_000_000
 #: From this many weight elements, ~3 programs per SM at M = 9..16 (below, ~2).
 WGMMA_MID_WEIGHT = 20_000_000
 #: From M = 5 on, split-K partials are summed by a second kernel where K is split at most this
-#: many ways, on weights of fewer than :data:`WGMMA_HUGE_WEIGHT` elements; elsewhere (and at
-#: M <= 4) by the last program of each row tile to arrive.
+#: many ways, on weights of :data:`WGMMA_SMALL_WEIGHT` to :data:`WGMMA_HUGE_WEIGHT` elements;
+#: elsewhere (and at M <= 4) by the last program of each row tile to arrive.
 WGMMA_TWO_KERNEL_SPLIT = 8
 WGMMA_HUGE_WEIGHT = 64_000_000
 
@@ -841,7 +843,7 @@ def pdl_enabled(device: torch.device) -> bool:
 
 def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
     """The Gluon wgmma kernel's config where it measured fastest on the H200
-    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2 and 4), else None. Hopper with Gluon,
+    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2, 4 and 6), else None. Hopper with Gluon,
     K % 128 == 0, M <= 16; activations always quantized inside the kernel (scale words two K-tiles
     ahead); by weight size (elements):
 
@@ -850,12 +852,13 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
     ========  ==========================  ================  ================
     1         2 waves (GEMV without PDL)  3 waves           3 waves
     2..8      2 waves                     3 waves           3 waves
-    9..16     None (tile)                 2 waves           3 waves
+    9..16     1 wave                      2 waves           3 waves
     ========  ==========================  ================  ================
 
-    "waves": split-K up to that many programs per SM (:func:`wgmma_config`). The partials are
-    summed by the last program to arrive, or from M = 5 on by a second kernel where K is split 2-8
-    ways on weights under 64 M elements (:data:`WGMMA_TWO_KERNEL_SPLIT`). Programmatic dependent
+    "waves": split-K up to that many programs per SM (:func:`wgmma_config`, which also sets how
+    many partials are loaded per round trip when they are summed). The partials are summed by
+    the last program to arrive, or from M = 5 on by a second kernel where K is split 2-8 ways on
+    weights of 8 M to 64 M elements (:data:`WGMMA_TWO_KERNEL_SPLIT`). Programmatic dependent
     launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
     x1.17 bf16 with it, x1.39 without: the next call's programs, launched early into the free
     slots, end up unevenly spread).
@@ -864,14 +867,14 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
         return None
     size = n * k
     pdl = pdl_enabled(device)
-    if (size < WGMMA_SMALL_WEIGHT and (m > 8 or (m == 1 and not pdl))) or _gluon() is None:
+    if (size < WGMMA_SMALL_WEIGHT and m == 1 and not pdl) or _gluon() is None:
         return None
     if m <= 8:
         waves = 2 if size < WGMMA_SMALL_WEIGHT else 3
     else:
-        waves = 2 if size < WGMMA_MID_WEIGHT else 3
+        waves = 1 if size < WGMMA_SMALL_WEIGHT else 2 if size < WGMMA_MID_WEIGHT else 3
     cfg = wgmma_config(m, n, k, device, waves=waves, fuse_quant=True, sw_ahead=2)
-    two_kernel = m >= 5 and 1 < cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT and size < WGMMA_HUGE_WEIGHT
+    two_kernel = m >= 5 and 1 < cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT and WGMMA_SMALL_WEIGHT <= size < WGMMA_HUGE_WEIGHT
     return dataclasses.replace(cfg, serial_reduce=not two_kernel, pdl=pdl and not (m > 8 and cfg.split_k == 1))
 
 
@@ -1065,7 +1068,7 @@ def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, cfg:
     block = 1024
     _splitk_reduce_kernel[(triton.cdiv(total, block),)](
         ws, bias, out, out.shape[1], total, total, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, PDL=pdl,
-        num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        CHUNK=cfg.red_chunk, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -1197,7 +1200,8 @@ def _launch_wgmma(
     has_bias = bias is not None
     partial, serial, ws, lock = _split_k_buffers(out, cfg, triton.cdiv(weight.shape[0], cfg.block_n))
     gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
-                       split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl)
+                       split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
+                       red_chunk=cfg.red_chunk)
     if partial and not serial:
         _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl)
     return out

@@ -161,8 +161,8 @@ def test_wgmma_configs_agree(layout, n, m):
     K), 8- and 16-column MMAs (M <= 8 / <= 16), TMA ring depths, split-K with the serial (last
     program) and the two-kernel reduction, N tail (544 = 8.5 x 64: TMA zero-fills rows past N),
     physical-to-logical row mapping on the store (trtllm), bias, programmatic dependent launch
-    (both kernels, one after the other); each config twice (the arrival
-    counters must re-arm). The activations span 2^-10..2^10 across K, so every 32-block has its
+    (both kernels, one after the other), 4, 8 or 16 partials summed per round trip; each config
+    twice (the arrival counters must re-arm). The activations span 2^-10..2^10 across K, so every 32-block has its
     own code. The kernel's own quantization (of M rows rounded up to 1, 2, 4, 8 or 16; the other
     MMA columns read zeros) gives the bits of the quantization kernel's: the two paths' outputs
     are equal, bit for bit, config by config."""
@@ -182,6 +182,10 @@ def test_wgmma_configs_agree(layout, n, m):
             m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse, sw_ahead=ahead, pdl=pdl))
             for fuse in (True, False)]
         assert torch.equal(*outs), (stages, waves, serial, ahead, pdl)
+    # partials loaded 4, 8 or 16 (the default here: 28 splits) per round trip: the same sums
+    chunked = [_check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True,
+                                                                   red_chunk=chunk)) for chunk in (0, 4, 8)]
+    assert torch.equal(chunked[0], chunked[1]) and torch.equal(chunked[0], chunked[2])
 
 
 @pytest.mark.parametrize("m", [2, 5])
@@ -269,7 +273,8 @@ def test_wgmma_is_the_rule_where_measured_faster():
         assert cfg.wgmma and cfg.fuse_quant and cfg.sw_ahead == 2 and cfg.pdl == pdl
     # 16.8 M elements, 7 splits: the last program sums the partials at M = 4, a second kernel at M = 8
     assert tri.choose_config(4, 4096, 4096, dev).serial_reduce and not tri.choose_config(8, 4096, 4096, dev).serial_reduce
-    assert not tri.choose_config(16, 1024, 4096, dev).wgmma and tri.choose_config(16, 4096, 4096, dev).wgmma
+    assert tri.choose_config(16, 1024, 4096, dev).wgmma and tri.choose_config(16, 1024, 4096, dev).serial_reduce
+    assert tri.choose_config(2, 576, 7168, dev).red_chunk == 16  # DeepSeek kv_a: 28 partials, 16 per trip
     assert not tri.choose_config(16, 24576, 1536, dev).pdl  # K unsplit at M > 8
     assert not tri.choose_config(17, 18432, 7168, dev).wgmma
     w, q, code = random_weight(4096, 4096, "canonical", seed=2)  # no 128x4 scale words: falls back

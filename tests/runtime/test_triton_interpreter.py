@@ -222,8 +222,8 @@ def test_wgmma_rule_needs_a_hopper_gpu():
 
 def test_wgmma_rule_table(monkeypatch):
     """The rule fitted on the H200 (``wgmma_rule``'s table), evaluated as on a Hopper GPU with 132
-    SMs: which path each (M, weight size) gets, how far K is split, which kernel sums the partials,
-    and where programmatic dependent launch is used (on by default, off with ``MXFP8_PDL=0`` or a
+    SMs: which path each (M, weight size) gets, how far K is split, which kernel sums the partials
+    and how many it loads per round trip, and where programmatic dependent launch is used (on by default, off with ``MXFP8_PDL=0`` or a
     CUDA build before 12.4)."""
     import mxfp8_convert.runtime.triton_mxfp8 as tri
 
@@ -245,7 +245,7 @@ def test_wgmma_rule_table(monkeypatch):
     # 4.2 / 10.5 / 16.8 / 24.9 / 37.7 / 132 M elements
     small, qwen_q, mid, qwen_mlp, large, huge = (1024, 4096), (4096, 2560), (4096, 4096), (9728, 2560), (24576, 1536), \
         (18432, 7168)
-    assert rule(1, *small) == expect(1, *small, 2) and rule(16, *small) is None  # the tile kernel at M > 8
+    assert rule(1, *small) == expect(1, *small, 2) and rule(16, *small) == expect(16, *small, 1)
     for m in (1, 2, 4):  # the last program sums the partials
         assert rule(m, *small) == expect(m, *small, 2)
         for shape in (mid, qwen_mlp, large, huge):
@@ -260,6 +260,11 @@ def test_wgmma_rule_table(monkeypatch):
     assert expect(16, *large, 3)[2] == 1
     assert rule(17, *large) is None and rule(4, 4096, 4000) is None  # M > 16; K not a multiple of 128
     assert expect(4, *mid, 2) != expect(4, *mid, 3)  # the waves are told apart
+    # partials loaded per round trip: all of them up to 16 (at least 4)
+    chunks = {tri.wgmma_rule(m, *shape, dev).split_k: tri.wgmma_rule(m, *shape, dev).red_chunk
+              for m, shape in ((4, small), (8, mid), (4, huge), (16, small), (16, large))}
+    assert chunks == {16: 16, 7: 8, 2: 4, 8: 8, 1: 4}, chunks
+    assert tri.wgmma_config(2, 576, 7168, dev, waves=2).split_k == 28 and tri.wgmma_config(2, 576, 7168, dev).red_chunk == 16
     monkeypatch.setenv("MXFP8_PDL", "0")  # without PDL: the same configs unlaunched as dependents, GEMV at M = 1
     assert rule(4, *mid) == expect(4, *mid, 3, pdl=False) and rule(1, *small) is None
     monkeypatch.delenv("MXFP8_PDL")
