@@ -797,17 +797,19 @@ def _gluon():
 
 def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 2, waves: float = 3.0,
                  serial_reduce: bool = True, fuse_quant: bool = False, sw_ahead: int = 1,
-                 pdl: bool = False, red_chunk: int = 0) -> GemmConfig:
+                 pdl: bool = False, red_chunk: int = 0, max_split: int = 0) -> GemmConfig:
     """Config of the Gluon wgmma decode kernel: 64 physical weight rows per program, 128-wide
     K-tiles in a ring of ``stages`` TMA buffers, weight scale words loaded ``sw_ahead`` K-tiles
     ahead, split-K up to ~``waves`` x SMs programs (none when the row tiles alone fill 2.5 waves:
     measured faster on DeepSeek q_b/kv_b), summed by the last program of each row tile
     (``serial_reduce``) or by a second kernel; activations quantized by a kernel before the GEMM,
-    or inside it (``fuse_quant``: each program quantizes the K-tiles it reads)."""
+    or inside it (``fuse_quant``: each program quantizes the K-tiles it reads); at most
+    ``max_split`` splits when given."""
     sms = _num_sms(device)
     tiles = triton.cdiv(n, 64)
     k_tiles = k // 128
     split = 1 if tiles >= 2.5 * sms else max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
+    split = min(split, max_split or split)
     split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
     # partials loaded per round trip when they are summed: all of them in one trip up to 16
     # (measured: 16 at a time beat 4 by up to x0.27 bf16 on 10-28 splits, 8 beat 16 at 5-8)
@@ -843,7 +845,7 @@ def pdl_enabled(device: torch.device) -> bool:
 
 def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
     """The Gluon wgmma kernel's config where it measured fastest on the H200
-    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2, 4 and 6), else None. Hopper with Gluon,
+    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2, 4, 6 and 8), else None. Hopper with Gluon,
     K % 128 == 0, M <= 16; activations always quantized inside the kernel (scale words two K-tiles
     ahead); by weight size (elements):
 
@@ -855,8 +857,9 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
     9..16     1 wave                      2 waves           3 waves
     ========  ==========================  ================  ================
 
-    "waves": split-K up to that many programs per SM (:func:`wgmma_config`, which also sets how
-    many partials are loaded per round trip when they are summed). The partials are summed by
+    "waves": split-K up to that many programs per SM, from M = 4 at most 16 splits
+    (:func:`wgmma_config`, which also sets how many partials are loaded per round trip when they
+    are summed). The partials are summed by
     the last program to arrive, or from M = 5 on by a second kernel where K is split 2-8 ways on
     weights of 8 M to 64 M elements (:data:`WGMMA_TWO_KERNEL_SPLIT`). Programmatic dependent
     launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
@@ -873,7 +876,9 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
         waves = 2 if size < WGMMA_SMALL_WEIGHT else 3
     else:
         waves = 1 if size < WGMMA_SMALL_WEIGHT else 2 if size < WGMMA_MID_WEIGHT else 3
-    cfg = wgmma_config(m, n, k, device, waves=waves, fuse_quant=True, sw_ahead=2)
+    # from M = 4, K split at most 16 ways: the partials then take one round trip to sum (DeepSeek
+    # kv_a, 576 rows: 14 splits x1.34 / x1.23 bf16 at M = 4 / 8 vs 28 splits x1.32 / x1.17)
+    cfg = wgmma_config(m, n, k, device, waves=waves, fuse_quant=True, sw_ahead=2, max_split=16 if m >= 4 else 0)
     two_kernel = m >= 5 and 1 < cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT and WGMMA_SMALL_WEIGHT <= size < WGMMA_HUGE_WEIGHT
     return dataclasses.replace(cfg, serial_reduce=not two_kernel, pdl=pdl and not (m > 8 and cfg.split_k == 1))
 

@@ -265,6 +265,8 @@ def test_wgmma_rule_table(monkeypatch):
               for m, shape in ((4, small), (8, mid), (4, huge), (16, small), (16, large))}
     assert chunks == {16: 16, 7: 8, 2: 4, 8: 8, 1: 4}, chunks
     assert tri.wgmma_config(2, 576, 7168, dev, waves=2).split_k == 28 and tri.wgmma_config(2, 576, 7168, dev).red_chunk == 16
+    # from M = 4 at most 16 splits (DeepSeek kv_a, 56 K-tiles: 14), below as many as the waves give
+    assert [tri.wgmma_rule(m, 576, 7168, dev).split_k for m in (2, 3, 4, 8)] == [28, 28, 14, 14]
     monkeypatch.setenv("MXFP8_PDL", "0")  # without PDL: the same configs unlaunched as dependents, GEMV at M = 1
     assert rule(4, *mid) == expect(4, *mid, 3, pdl=False) and rule(1, *small) is None
     monkeypatch.delenv("MXFP8_PDL")
