@@ -108,9 +108,9 @@ def _issue_tile(w_desc, x_desc, w_s, x_s, bar, stage, p0, k0, pred, LOAD_X: gl.c
 
 @gluon.jit
 def _quantize_tile(xt, xq_s, xs_s, x4_l: gl.constexpr):
-    """MXFP8-quantize a bf16 activation tile ``xt [QM, 4, 32]`` (``QM`` rows of a K-tile as four
-    32-blocks, in ``SliceLayout(0, x4_l)``) as ``mxfp8_quantize`` does: the e4m3 values go to rows
-    ``0..QM-1`` of ``xq_s [BM, 128]`` (the other rows get zeros), the blocks' scales
+    """MXFP8-quantize an activation tile ``xt [QM, 4, 32]`` (bf16/fp16/fp32: ``QM`` rows of a K-tile
+    as four 32-blocks, in ``SliceLayout(0, x4_l)``) as ``mxfp8_quantize`` does: the e4m3 values go
+    to rows ``0..QM-1`` of ``xq_s [BM, 128]`` (the other rows get zeros), the blocks' scales
     ``2^(code - 127)`` (fp32) to columns ``0..QM-1`` of ``xs_s [4, BM]``.
 
     The e4m3 rounding is the hardware's (``cvt.rn.satfinite``: nearest, ties to even); the scaled
@@ -353,6 +353,7 @@ def wgmma_decode(
         ws if partial else out, lock if lock is not None else scale, m, n, k, x.stride(0), out.stride(0),
         m * n, cp4, split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
-        SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=triton.next_power_of_2(m), X_SMEM=x_layout, STAGES=stages,
-        SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=triton.next_power_of_2(m),
+        X_SMEM=x_layout, STAGES=stages, SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )

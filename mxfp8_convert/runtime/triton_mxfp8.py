@@ -52,7 +52,11 @@ from dataclasses import dataclass
 import torch
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_wait
+
+try:  # programmatic dependent launch: Triton releases without it get the wgmma path without PDL
+    from triton.language.extra.cuda import gdc_wait
+except ImportError:
+    gdc_wait = None
 
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.runtime.weight import CANONICAL, MXFP8Weight
@@ -837,7 +841,8 @@ def pdl_enabled(device: torch.device) -> bool:
     ``MXFP8_PDL=0``. FlashInfer enables PDL by default on the same GPUs (``device_support_pdl``).
     Safe with any neighbour: each kernel waits for the previous one before its first memory access
     (``gluon_mxfp8.wgmma_decode``); a kernel launched without the attribute is not affected."""
-    if os.environ.get("MXFP8_PDL", "1") == "0" or device.type != "cuda" or not torch.version.cuda:
+    if (os.environ.get("MXFP8_PDL", "1") == "0" or gdc_wait is None or device.type != "cuda"
+            or not torch.version.cuda):
         return False
     cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
     return cuda >= (12, 4) and torch.cuda.get_device_capability(device)[0] >= 9
@@ -859,9 +864,9 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
 
     "waves": split-K up to that many programs per SM, from M = 4 at most 16 splits
     (:func:`wgmma_config`, which also sets how many partials are loaded per round trip when they
-    are summed). The partials are summed by
-    the last program to arrive, or from M = 5 on by a second kernel where K is split 2-8 ways on
-    weights of 8 M to 64 M elements (:data:`WGMMA_TWO_KERNEL_SPLIT`). Programmatic dependent
+    are summed). The partials are summed by the last program to arrive, or from M = 5 on by a
+    second kernel where K is split 2-8 ways on weights of 8 M to 64 M elements
+    (:data:`WGMMA_TWO_KERNEL_SPLIT`). Programmatic dependent
     launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
     x1.17 bf16 with it, x1.39 without: the next call's programs, launched early into the free
     slots, end up unevenly spread).

@@ -270,6 +270,11 @@ def test_wgmma_rule_table(monkeypatch):
     monkeypatch.setenv("MXFP8_PDL", "0")  # without PDL: the same configs unlaunched as dependents, GEMV at M = 1
     assert rule(4, *mid) == expect(4, *mid, 3, pdl=False) and rule(1, *small) is None
     monkeypatch.delenv("MXFP8_PDL")
+    monkeypatch.setattr(tri, "gdc_wait", None)  # a Triton without programmatic dependent launch
+    assert rule(4, *mid) == expect(4, *mid, 3, pdl=False)
+    monkeypatch.undo()
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
     monkeypatch.setattr(torch.version, "cuda", "12.2")
     assert rule(4, *mid) == expect(4, *mid, 3, pdl=False)
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (8, 9))
