@@ -835,17 +835,29 @@ WGMMA_TWO_KERNEL_SPLIT = 8
 WGMMA_HUGE_WEIGHT = 64_000_000
 
 
+def _driver_cuda_version() -> tuple[int, int] | None:
+    """The CUDA version the installed driver supports, or None where torch does not say."""
+    get = getattr(torch._C, "_cuda_getDriverVersion", None)
+    try:
+        v = get() if get is not None else 0
+    except RuntimeError:
+        return None
+    return (v // 1000, v % 1000 // 10) if v else None
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether the wgmma path launches its kernels as programmatic dependents (PDL): on Hopper or
-    newer, with a CUDA 12.4+ build of torch (CUDA graphs capture the programmatic edges), unless
-    ``MXFP8_PDL=0``. FlashInfer enables PDL by default on the same GPUs (``device_support_pdl``).
+    newer, with a CUDA 12.4+ build of torch and driver (CUDA graphs capture the programmatic
+    edges), unless ``MXFP8_PDL=0``. FlashInfer enables PDL by default on the same GPUs (``device_support_pdl``).
     Safe with any neighbour: each kernel waits for the previous one before its first memory access
     (``gluon_mxfp8.wgmma_decode``); a kernel launched without the attribute is not affected."""
     if (os.environ.get("MXFP8_PDL", "1") == "0" or gdc_wait is None or device.type != "cuda"
             or not torch.version.cuda):
         return False
     cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
-    return cuda >= (12, 4) and torch.cuda.get_device_capability(device)[0] >= 9
+    driver = _driver_cuda_version()  # minor-version compatibility lets a 12.4+ torch run on older drivers
+    return (cuda >= (12, 4) and (driver is None or driver >= (12, 4))
+            and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
 def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:

@@ -233,6 +233,7 @@ def test_wgmma_rule_table(monkeypatch):
     monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
     monkeypatch.setattr(torch.version, "cuda", "12.8")
     monkeypatch.delenv("MXFP8_PDL", raising=False)
+    monkeypatch.setattr(tri, "_driver_cuda_version", lambda: (12, 8))
     dev = torch.device("cuda")
 
     def rule(m, n, k):
@@ -272,6 +273,11 @@ def test_wgmma_rule_table(monkeypatch):
     monkeypatch.delenv("MXFP8_PDL")
     monkeypatch.setattr(tri, "gdc_wait", None)  # a Triton without programmatic dependent launch
     assert rule(4, *mid) == expect(4, *mid, 3, pdl=False)
+    monkeypatch.setattr(tri, "gdc_wait", lambda: None)
+    monkeypatch.setattr(tri, "_driver_cuda_version", lambda: (12, 2))  # a driver older than the toolkit
+    assert rule(4, *mid) == expect(4, *mid, 3, pdl=False)
+    monkeypatch.setattr(tri, "_driver_cuda_version", lambda: (13, 0))
+    assert rule(4, *mid) == expect(4, *mid, 3)
     monkeypatch.undo()
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
