@@ -44,7 +44,8 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
         sig.update(x_desc=mangle_type(TensorDescriptor(xq, [16, k], [k, 1], [bm, bk], x_smem)), x_ptr="*fp8e4nv")
         const = {}
     const.update({"LAYOUT": gluon_mxfp8.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": True, "SERIAL": serial,
-                  "FUSE_QUANT": fuse, "BM": bm, "QM": qm or bm, "X_SMEM": x_smem, "STAGES": 2, "SW_AHEAD": 3, "PDL": pdl, "RED_CHUNK": 4, "num_warps": 4})
+                  "FUSE_QUANT": fuse, "BM": bm, "QM": qm or bm, "X_SMEM": x_smem, "STAGES": 2, "SW_AHEAD": 3,
+                  "PDL": pdl, "RED_CHUNK": 4, "num_warps": 4})
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
