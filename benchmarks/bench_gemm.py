@@ -10,8 +10,9 @@ Run on the GPU (never collected by pytest):
 
 Every mode takes --ms 1,2,... and --shapes NAME,... (substrings of the model-shape names).
 ``decode --wgmma`` times the Gluon kernel's configs (activations quantized inside it or before
-it, ring depth, scale words ahead, programs per SM) and a ``read-only`` row per shape: a kernel
-that only reads the fp8 weight bytes, the ceiling for any kernel that streams them.
+it, programs per SM, last-program or second-kernel split-K reduction, programmatic dependent
+launch) and a ``read-only`` row per shape: a kernel that only reads the fp8 weight bytes, the
+ceiling for any kernel that streams them. ``MXFP8_PDL=0`` times the rule without PDL.
 
 Timing: CUDA-graph replays of many calls, each on its own copy of the operands (>= 400 MB
 streamed per replay, so weights come from HBM, not the 60 MB L2), CUDA events, median. TFLOP/s
