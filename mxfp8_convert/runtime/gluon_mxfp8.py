@@ -51,7 +51,7 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfp8_convert.errors import LayoutError
-from mxfp8_convert.runtime.triton_mxfp8 import _ue8m0_code
+from mxfp8_convert.runtime.triton_mxfp8 import _pow2_f32, _ue8m0_code
 from mxfp8_convert.runtime.weight import MXFP8Weight
 
 # TMA global->shared load: ``async_load`` since Triton 3.7, ``async_copy_global_to_shared`` before
@@ -74,14 +74,6 @@ else:
 LAYOUT_CODE = {"cutlass": 0, "trtllm": 1}
 BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma M
 BLOCK_K = 128  # K per pipeline stage: four 32-blocks, one 128x4 scale word per row
-
-
-@gluon.jit
-def _pow2_f32(e_field):
-    """fp32 ``2^(e_field - 127)`` for e_field in 0..254 (0 gives the subnormal 2^-127); the Gluon
-    twin of ``triton_mxfp8._pow2_f32``, kept as a Gluon function next to the kernel that uses it."""
-    bits = gl.maximum(e_field << 23, 0x400000)  # e_field <= 0 (negative bits, or 0): 2^-127
-    return bits.to(gl.float32, bitcast=True)
 
 
 @gluon.jit

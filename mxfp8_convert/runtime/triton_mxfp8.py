@@ -82,8 +82,10 @@ def _ue8m0_code(amax):
 
 @triton.jit
 def _pow2_f32(e_field):
-    """fp32 ``2^(e_field - 127)`` for e_field in 0..254 (0 gives the subnormal 2^-127)."""
-    bits = tl.where(e_field <= 0, 0x400000, e_field << 23)
+    """fp32 ``2^(e_field - 127)`` for e_field in 0..254 (0 gives the subnormal 2^-127; -1 too, 255
+    +inf). One max: ``e_field << 23`` is <= 0 exactly where e_field <= 0. Also called from the
+    Gluon kernel (``gluon_mxfp8``)."""
+    bits = tl.maximum(e_field << 23, 0x400000)
     return bits.to(tl.float32, bitcast=True)
 
 
