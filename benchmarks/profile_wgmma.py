@@ -16,8 +16,10 @@ from pathlib import Path
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from mxfp8_convert.runtime import MXFP8Weight  # noqa: E402
+from bench_gemm import random_weight  # noqa: E402
+
 from mxfp8_convert.runtime.triton_mxfp8 import choose_config, triton_linear  # noqa: E402
 
 
@@ -28,9 +30,7 @@ def main() -> None:
     p.add_argument("--m", type=int, default=4)
     p.add_argument("--layout", default="trtllm")
     args = p.parse_args()
-    q = (torch.randn(args.n, args.k, device="cuda") * 96).clamp(-448, 448).to(torch.float8_e4m3fn)
-    code = torch.randint(116, 126, (args.n, args.k // 32), device="cuda").to(torch.uint8)
-    w = MXFP8Weight.from_canonical(q, code, args.layout)
+    w, _, _ = random_weight(args.n, args.k, args.layout)  # the benchmark's operands
     x = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
     cfg = choose_config(args.m, args.n, args.k, x.device)
     print(cfg.to_dict(), flush=True)
