@@ -9,10 +9,11 @@ Run on the GPU (never collected by pytest):
     python benchmarks/bench_gemm.py quant  [--out DIR]   # the activation-quantization pass's share of a GEMM
 
 Every mode takes --ms 1,2,... and --shapes NAME,... (substrings of the model-shape names).
-``decode --wgmma`` times the Gluon kernel's configs (activations quantized inside it or before
-it, programs per SM, last-program or second-kernel split-K reduction, programmatic dependent
-launch) and a ``read-only`` row per shape: a kernel that only reads the fp8 weight bytes, the
-ceiling for any kernel that streams them. ``MXFP8_PDL=0`` times the rule without PDL.
+``decode --wgmma`` times the Gluon kernel's configs (the rule's; the same with bf16 activations
+loaded element by element instead of as int32 words, or with 3- and 4-stage TMA rings; 4 stages
+x programs per SM x last-program or second-kernel split-K reduction) and a ``read-only`` row per
+shape: a kernel that only reads the fp8 weight bytes, the ceiling for any kernel that streams
+them. ``MXFP8_PDL=0`` times the rule without PDL.
 
 Timing: CUDA-graph replays of many calls, each on its own copy of the operands (>= 400 MB
 streamed per replay, so weights come from HBM, not the 60 MB L2), CUDA events, median. TFLOP/s
@@ -317,18 +318,29 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
     out = {"rule": choose_config(m, n, k, dev)}
     if not sweep:
         return out
-    out["old"] = choose_config(m, n, k, dev, decode=False)
-    if sweep == "wgmma":  # the Gluon kernel: programs per SM x reduction x programmatic dependent launch
-        from mxfp8_convert.runtime.triton_mxfp8 import gemv_rule, wgmma_config
+    if sweep != "wgmma":
+        out["old"] = choose_config(m, n, k, dev, decode=False)
+    else:  # the Gluon kernel: the rule, bf16 loaded element by element, programs per SM x reduction
+        import dataclasses
 
-        variants = {  # name: (quantization inside the kernel, waves, serial reduction, PDL)
-            "fq.w2": (True, 2, True, False), "fq.w3": (True, 3, True, False), "fq.w2.pdl": (True, 2, True, True),
-            "fq.w3.pdl": (True, 3, True, True), "fq.w2.2k.pdl": (True, 2, False, True),
-            "fq.w3.2k.pdl": (True, 3, False, True), "sq.w4": (False, 4, True, False),
-        }
-        for vname, (fuse, waves, serial, pdl) in variants.items():
-            out["wg." + vname] = wgmma_config(m, n, k, dev, waves=waves, fuse_quant=fuse, serial_reduce=serial,
-                                              sw_ahead=2 if fuse else 1, pdl=pdl)
+        from mxfp8_convert.runtime.triton_mxfp8 import (
+            gemv_rule,
+            pdl_enabled,
+            wgmma_config,
+            wgmma_rule,
+        )
+
+        if (base := wgmma_rule(m, n, k, dev)) is not None:
+            out["wg.elems"] = dataclasses.replace(base, x_words=False)
+            out["wg.s3"] = dataclasses.replace(base, num_stages=3)
+            out["wg.s4"] = dataclasses.replace(base, num_stages=4)
+            for waves in (1, 2, 3):  # 4-stage rings; at most 16 splits from M = 4, PDL as the rule sets it
+                cfg = wgmma_config(m, n, k, dev, waves=waves, fuse_quant=True, sw_ahead=2, stages=4,
+                                   max_split=16 if m >= 4 else 0)
+                for serial in (True, False):
+                    if cfg.split_k > 1 or serial:
+                        out[f"wg.s4.w{waves}" + ("" if serial else ".2k")] = dataclasses.replace(
+                            cfg, serial_reduce=serial, pdl=pdl_enabled(dev) and not (m > 8 and cfg.split_k == 1))
         if (gemv := gemv_rule(m, n, k, dev)) is not None:
             out["gemv"] = gemv
         return out

@@ -100,19 +100,28 @@ def _issue_tile(w_desc, x_desc, w_s, x_s, bar, stage, p0, k0, pred, LOAD_X: gl.c
 
 @gluon.jit
 def _quantize_tile(xt, xq_s, xs_s, x4_l: gl.constexpr):
-    """MXFP8-quantize an activation tile ``xt [QM, 4, 32]`` (bf16/fp16/fp32: ``QM`` rows of a K-tile
-    as four 32-blocks, in ``SliceLayout(0, x4_l)``) as ``mxfp8_quantize`` does: the e4m3 values go
-    to rows ``0..QM-1`` of ``xq_s [BM, 128]`` (the other rows get zeros), the blocks' scales
-    ``2^(code - 127)`` (fp32) to columns ``0..QM-1`` of ``xs_s [4, BM]``.
+    """MXFP8-quantize an activation tile ``xt`` of ``QM`` rows of a K-tile as four 32-blocks, in
+    ``SliceLayout(0, x4_l)``: bf16/fp16/fp32 ``[QM, 4, 32]``, or int32 ``[QM, 4, 16]`` words of
+    two bf16 each (element 2e in the low half, 2e + 1 in the high half), as ``mxfp8_quantize``
+    does: the e4m3 values go to rows ``0..QM-1`` of ``xq_s [BM, 128]`` (the other rows get zeros),
+    the blocks' scales ``2^(code - 127)`` (fp32) to columns ``0..QM-1`` of ``xs_s [4, BM]``.
 
     The e4m3 rounding is the hardware's (``cvt.rn.satfinite``: nearest, ties to even); the scaled
     values lie within +-448 by the choice of code, so saturation never applies and the bytes are
     those of the reference rounding (``triton_mxfp8._round_e4m3``, which the CPU interpreter needs)."""
     QM: gl.constexpr = xt.shape[0]
     BM: gl.constexpr = xq_s.shape[0]
-    xf = xt.to(gl.float32)
-    code = _ue8m0_code(gl.max(gl.abs(xf), axis=2))  # [QM, 4]
-    q = (xf * gl.expand_dims(_pow2_f32(254 - code), 2)).to(gl.float8e4nv)
+    if xt.dtype == gl.int32:  # a bf16 is the high half of its fp32: one shift or mask per value
+        lo = (xt << 16).to(gl.float32, bitcast=True)
+        hi = (xt & -65536).to(gl.float32, bitcast=True)
+        code = _ue8m0_code(gl.maximum(gl.max(gl.abs(lo), axis=2), gl.max(gl.abs(hi), axis=2)))  # [QM, 4]
+        scale = gl.expand_dims(_pow2_f32(254 - code), 2)
+        q2 = gl.join(lo * scale, hi * scale).to(gl.float8e4nv)  # [QM, 4, 16, 2]: pairs of neighbours
+        q = gl.convert_layout(gl.reshape(q2, [QM, 4, 32]), gl.SliceLayout(0, x4_l))
+    else:
+        xf = xt.to(gl.float32)
+        code = _ue8m0_code(gl.max(gl.abs(xf), axis=2))  # [QM, 4]
+        q = (xf * gl.expand_dims(_pow2_f32(254 - code), 2)).to(gl.float8e4nv)
     # the MMA reads BM rows and the tile's 128-byte swizzle allows no store to fewer: rows QM..BM-1
     # are zeros, BM / QM - 1 copies of the tile in each thread's registers, written as zeros
     copy = gl.arange(0, BM // QM, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x4_l))))
@@ -145,7 +154,8 @@ def _wgmma_decode_kernel(
     M, N, K, stride_xm, stride_om, stride_os, scale_cp4, split_k,
     LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr,
     FUSE_QUANT: gl.constexpr, BM: gl.constexpr, QM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
-    SW_AHEAD: gl.constexpr, PDL: gl.constexpr, RED_CHUNK: gl.constexpr, num_warps: gl.constexpr,
+    SW_AHEAD: gl.constexpr, PDL: gl.constexpr, RED_CHUNK: gl.constexpr, X_WORDS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     if PDL:  # before any access to memory
         _gdc_wait_and_release()
@@ -198,13 +208,20 @@ def _wgmma_decode_kernel(
         z_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [num_warps, 1], [1, 0])
         for b in gl.static_range(2):
             xs_s.index(b).store(gl.zeros([4, BM], gl.float32, z_l))
-        xr = gl.arange(0, QM, layout=gl.SliceLayout(1, gl.SliceLayout(2, x_l)))
-        xb4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, x_l)))
-        xe = gl.arange(0, 32, layout=gl.SliceLayout(0, gl.SliceLayout(1, x_l)))
-        xrb = gl.expand_dims(gl.expand_dims(xr.to(gl.int64) * stride_xm, 1) + gl.expand_dims(xb4 * 32, 0), 2)
+        # X_WORDS (bf16): int32 words of two elements, QM / 2 per thread, so the registers carried
+        # to the next iteration are the loaded words themselves (carried as separate bf16 values,
+        # their unpacking was hoisted next to the load and waited on it: 28 % of the stall samples)
+        XE: gl.constexpr = 16 if X_WORDS else 32  # loaded elements per 32-block
+        xl_l: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 1, 1, QM // 2], [1, QM, 1, 32 // QM],
+                                                                [1, 1, num_warps, 1], [3, 2, 1, 0])) if X_WORDS else x_l
+        xr = gl.arange(0, QM, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl_l)))
+        xb4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl_l)))
+        xe = gl.arange(0, XE, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl_l)))
+        xrb = gl.expand_dims(gl.expand_dims(xr.to(gl.int64) * stride_xm, 1) + gl.expand_dims(xb4 * XE, 0), 2)
         x_ptrs = x_ptr + xrb + gl.expand_dims(gl.expand_dims(xe, 0), 1)
         x_mask = (xrb + gl.expand_dims(gl.expand_dims(xe, 0), 1)) < M * stride_xm  # rows past M are zeros
-        xt = gl.load(x_ptrs + kt0 * 128, mask=x_mask, other=0.0)
+        XT: gl.constexpr = 4 * XE  # elements (words) per K-tile row
+        xt = gl.load(x_ptrs + kt0 * XT, mask=x_mask, other=0)
     else:
         xc_ptrs = xc_ptr + gl.minimum(cols, M - 1).to(gl.int64) * (K // 32)  # rows past M repeat row M-1
         sx0 = _pow2_f32(gl.load(xc_ptrs + kt0 * 4))
@@ -219,7 +236,7 @@ def _wgmma_decode_kernel(
         kn = gl.minimum(kt0 + i + 1, last)
         sw_new = gl.load(sw_ptrs + gl.minimum(kt0 + i + SW_AHEAD, last) * 128)
         if FUSE_QUANT:  # quantize tile i while its weight bytes are still on their way
-            xt_next = gl.load(x_ptrs + kn * 128, mask=x_mask, other=0.0)
+            xt_next = gl.load(x_ptrs + kn * XT, mask=x_mask, other=0)
             xb = i % 2
             _quantize_tile(xt, x_s.index(xb), xs_s.index(xb), x4_l)
             fence_async_shared()  # the threads' stores, before the wgmma (async proxy) reads them
@@ -304,7 +321,7 @@ def supported(weight: MXFP8Weight, k: int) -> bool:
 def wgmma_decode(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
     ws: torch.Tensor | None, lock: torch.Tensor | None, *, split_k: int, xc: torch.Tensor | None = None,
-    stages: int = 2, sw_ahead: int = 1, pdl: bool = False, red_chunk: int = 4,
+    stages: int = 2, sw_ahead: int = 1, pdl: bool = False, red_chunk: int = 4, x_words: bool = True,
 ) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16); with ``split_k > 1`` fp32 partials go to ``ws``
     ``[split_k, M, N]`` and are summed by the last program of each row tile to arrive when
@@ -313,7 +330,10 @@ def wgmma_decode(
     ``stages`` TMA buffers in the ring; the weight scale words are loaded ``sw_ahead`` (1..3)
     K-tiles ahead. ``pdl``: launched as a programmatic dependent of the previous kernel in the
     stream, which it waits for before touching memory, and releasing the next one at once (a
-    caller summing the partials with a second kernel launches it with PDL too).
+    caller summing the partials with a second kernel launches it with PDL too). ``x_words``: bf16
+    activations (M >= 2, 4-byte aligned rows) are loaded as int32 words of two elements, which
+    stay packed in the registers carried to the next K-tile (``False``: element by element, as
+    fp16/fp32 ones; the same bits).
 
     Args:
         x: bf16/fp16/fp32 activations ``[M, K]`` (unit stride along K), quantized inside the
@@ -338,14 +358,19 @@ def wgmma_decode(
     w_desc = TensorDescriptor(weight.data, [n, k], [k, 1], [BLOCK_N, BLOCK_K], w_layout)
     x_desc = None if fuse else TensorDescriptor(x, [m, k], [k, 1], [bm, BLOCK_K], x_layout)
     partial = split_k > 1
+    # bf16 activations go to the kernel as int32 words (two elements each) where they align
+    words = (x_words and fuse and x.dtype == torch.bfloat16 and m >= 2 and x.data_ptr() % 4 == 0
+             and x.stride(0) % 2 == 0)
+    xk, stride_xm = (x.view(torch.int32), x.stride(0) // 2) if words else (x, x.stride(0))
     scale = weight.scale.view(torch.int32)
     cp4 = (k // 32 + 3) // 4
     _wgmma_decode_kernel[(triton.cdiv(n, BLOCK_N), split_k)](
-        w_desc, x_desc, x, scale, scale if fuse else xc, bias if bias is not None else out, out,
-        ws if partial else out, lock if lock is not None else scale, m, n, k, x.stride(0), out.stride(0),
+        w_desc, x_desc, xk, scale, scale if fuse else xc, bias if bias is not None else out, out,
+        ws if partial else out, lock if lock is not None else scale, m, n, k, stride_xm, out.stride(0),
         m * n, cp4, split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
         SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=triton.next_power_of_2(m),
-        X_SMEM=x_layout, STAGES=stages, SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, num_warps=4,
+        X_SMEM=x_layout, STAGES=stages, SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, X_WORDS=words,
+        num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
     )

@@ -702,6 +702,7 @@ class GemmConfig:
     sw_ahead: int = 1  # wgmma: K-tiles ahead of use that the weight scale words are loaded
     pdl: bool = False  # wgmma: programmatic dependent launch (``gluon_mxfp8.wgmma_decode``)
     red_chunk: int = 4  # wgmma: split-K partials loaded per round trip by the reducing program or kernel
+    x_words: bool = True  # wgmma, fused: bf16 activations loaded as int32 words of two (``wgmma_decode``)
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -830,9 +831,10 @@ def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 
 WGMMA_SMALL_WEIGHT = 8_000_000
 #: From this many weight elements, ~3 programs per SM at M = 9..16 (below, ~2).
 WGMMA_MID_WEIGHT = 20_000_000
-#: From M = 5 on, split-K partials are summed by a second kernel where K is split at most this
-#: many ways, on weights of :data:`WGMMA_SMALL_WEIGHT` to :data:`WGMMA_HUGE_WEIGHT` elements;
-#: elsewhere (and at M <= 4) by the last program of each row tile to arrive.
+#: At M = 5..8, split-K partials are summed by a second kernel where K is split at most this
+#: many ways, on weights of :data:`WGMMA_SMALL_WEIGHT` to :data:`WGMMA_HUGE_WEIGHT` elements; at
+#: M = 9..16 wherever K is split, except more than this many ways on weights under
+#: :data:`WGMMA_SMALL_WEIGHT`; elsewhere (and at M <= 4) by the last program of each row tile.
 WGMMA_TWO_KERNEL_SPLIT = 8
 WGMMA_HUGE_WEIGHT = 64_000_000
 
@@ -864,7 +866,7 @@ def pdl_enabled(device: torch.device) -> bool:
 
 def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
     """The Gluon wgmma kernel's config where it measured fastest on the H200
-    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2, 4, 6 and 8), else None. Hopper with Gluon,
+    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2, 4, 6 and 8; "Sixth session"), else None. Hopper with Gluon,
     K % 128 == 0, M <= 16; activations always quantized inside the kernel (scale words two K-tiles
     ahead); by weight size (elements):
 
@@ -878,9 +880,12 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
 
     "waves": split-K up to that many programs per SM, from M = 4 at most 16 splits
     (:func:`wgmma_config`, which also sets how many partials are loaded per round trip when they
-    are summed). The partials are summed by the last program to arrive, or from M = 5 on by a
-    second kernel where K is split 2-8 ways on weights of 8 M to 64 M elements
-    (:data:`WGMMA_TWO_KERNEL_SPLIT`). Programmatic dependent
+    are summed). The partials are summed by the last program to arrive, or by a second kernel: at
+    M = 5..8 where K is split 2-8 ways on weights of 8 M to 64 M elements
+    (:data:`WGMMA_TWO_KERNEL_SPLIT`), at M = 9..16 wherever K is split, except more than 8 ways on
+    a weight under 8 M (sixth session, call 3: Qwen down_proj 10 splits 13.1 us vs 15.4, DeepSeek
+    o_proj 39.9 vs 43.6, q_a 9.6 vs 10.1, Llama k_proj 6.9 vs 7.4; DeepSeek kv_a, 14 splits, 7.9
+    vs 7.6). Programmatic dependent
     launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
     x1.17 bf16 with it, x1.39 without: the next call's programs, launched early into the free
     slots, end up unevenly spread).
@@ -898,7 +903,10 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
     # from M = 4, K split at most 16 ways: the partials then take one round trip to sum (DeepSeek
     # kv_a, 576 rows: 14 splits x1.34 / x1.23 bf16 at M = 4 / 8 vs 28 splits x1.32 / x1.17)
     cfg = wgmma_config(m, n, k, device, waves=waves, fuse_quant=True, sw_ahead=2, max_split=16 if m >= 4 else 0)
-    two_kernel = m >= 5 and 1 < cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT and WGMMA_SMALL_WEIGHT <= size < WGMMA_HUGE_WEIGHT
+    if m <= 8:
+        two_kernel = m >= 5 and 1 < cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT and WGMMA_SMALL_WEIGHT <= size < WGMMA_HUGE_WEIGHT
+    else:  # 16-column partials: summed by a second kernel, but for many splits of a small weight
+        two_kernel = cfg.split_k > 1 and (size >= WGMMA_SMALL_WEIGHT or cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT)
     return dataclasses.replace(cfg, serial_reduce=not two_kernel, pdl=pdl and not (m > 8 and cfg.split_k == 1))
 
 
@@ -1225,7 +1233,7 @@ def _launch_wgmma(
     partial, serial, ws, lock = _split_k_buffers(out, cfg, triton.cdiv(weight.shape[0], cfg.block_n))
     gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
                        split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
-                       red_chunk=cfg.red_chunk)
+                       red_chunk=cfg.red_chunk, x_words=cfg.x_words)
     if partial and not serial:
         _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl)
     return out

@@ -21,7 +21,7 @@ import torch
 gluon_mxfp8 = pytest.importorskip("mxfp8_convert.runtime.gluon_mxfp8")
 
 
-def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool = False) -> str:
+def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool = False, words: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -39,13 +39,15 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
            "K": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_os": "i32", "scale_cp4": "i32",
            "split_k": "i32"}
     const = {"x_desc": None}
+    if words:  # bf16 activations as int32 words of two
+        sig["x_ptr"] = "*i32"
     if not fuse:  # e4m3 activations by TMA
         xq = torch.empty(16, k, dtype=torch.float8_e4m3fn)
         sig.update(x_desc=mangle_type(TensorDescriptor(xq, [16, k], [k, 1], [bm, bk], x_smem)), x_ptr="*fp8e4nv")
         const = {}
     const.update({"LAYOUT": gluon_mxfp8.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": True, "SERIAL": serial,
                   "FUSE_QUANT": fuse, "BM": bm, "QM": qm or bm, "X_SMEM": x_smem, "STAGES": 2, "SW_AHEAD": 3,
-                  "PDL": pdl, "RED_CHUNK": 4, "num_warps": 4})
+                  "PDL": pdl, "RED_CHUNK": 4, "X_WORDS": words, "num_warps": 4})
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -56,7 +58,7 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
     cubin = kernel.asm["cubin"]
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                        f"mxfp8_gluon_{os.getpid()}_{bm}_{qm}_{layout}_{serial}_{fuse}_{pdl}.cubin")
+                        f"mxfp8_gluon_{os.getpid()}_{bm}_{qm}_{layout}_{serial}_{fuse}_{pdl}_{words}.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
     try:
@@ -77,11 +79,14 @@ def _k_loop(sass: str) -> list[str]:
     return [t for a, t in ins if start <= a <= end]
 
 
-@pytest.mark.parametrize("fuse,bm,qm", [(True, 8, 1), (True, 8, 8), (True, 16, 16), (False, 8, 0), (False, 16, 0)],
-                         ids=["fused-m1", "fused-m8", "fused-m16", "e4m3-by-tma-m8", "e4m3-by-tma-m16"])
+@pytest.mark.parametrize("fuse,bm,qm,words", [
+    (True, 8, 1, False), (True, 8, 8, False), (True, 16, 16, False), (True, 8, 2, True), (True, 8, 8, True),
+    (True, 16, 16, True), (False, 8, 0, False), (False, 16, 0, False)],
+    ids=["fused-m1", "fused-m8", "fused-m16", "fused-m2-words", "fused-m8-words", "fused-m16-words",
+         "e4m3-by-tma-m8", "e4m3-by-tma-m16"])
 @pytest.mark.parametrize("layout,serial", [("trtllm", True), ("cutlass", False)])
-def test_wgmma_kernel_compiles_for_sm90_with_mmas_in_flight(bm, qm, layout, serial, fuse):
-    sass = _sass(bm, layout, serial, fuse, qm)
+def test_wgmma_kernel_compiles_for_sm90_with_mmas_in_flight(bm, qm, words, layout, serial, fuse):
+    sass = _sass(bm, layout, serial, fuse, qm, words=words)
     assert len(re.findall(rf"QGMMA\.64x{bm}x32\.F32\.E4M3\.E4M3", sass)) == 4  # one per 32-block of the tile
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
     assert waits == ["3", "2", "1", "0"]  # each part waited for while the later ones still run
@@ -94,7 +99,8 @@ def test_wgmma_kernel_compiles_for_sm90_with_mmas_in_flight(bm, qm, layout, seri
     if fuse:
         # the CTA barriers of a K-tile: the two Triton puts before the TMA issue (mbarrier expect,
         # copy) and the one after the tile's stores; the activation scales travel with the tile
-        # (no layout conversion through shared memory and its own barriers)
+        # (no layout conversion through shared memory and its own barriers; with bf16 words, none
+        # between the packed and the unpacked order either)
         assert sum(t.startswith("BAR.SYNC") for t in loop) == 3
         # e4m3 rounding by the hardware conversion, QM rows: one cvt per 2 values a thread holds
         assert sum("F2FP.SATFINITE.E4M3.F32" in t for t in loop) == max(qm // 2, 1)
@@ -139,3 +145,31 @@ def test_launcher_refuses_what_the_kernel_cannot_read():
         launch(torch.zeros(k, 4, dtype=torch.bfloat16).t())  # K not contiguous
     with pytest.raises(ValueError, match="sw_ahead=4"):
         launch(torch.zeros(4, k, dtype=torch.bfloat16), sw_ahead=4)
+
+
+def _regs(operand: str) -> set[int]:
+    """Register numbers an operand names (``R16``, ``[R28.64+0x10]``: R28 and R29)."""
+    out = set()
+    for r, wide in re.findall(r"\bR(\d+)(\.64)?", operand):
+        out.update({int(r), int(r) + 1} if wide else {int(r)})
+    return out
+
+
+@pytest.mark.parametrize("bm,qm", [(8, 4), (8, 8), (16, 16)])
+def test_activation_words_are_used_one_k_tile_after_their_load(bm, qm):
+    """bf16 activations travel as int32 words (``X_WORDS``): the K-loop loads the next tile's words
+    and no instruction of the same iteration reads them, so their L2 latency hides behind a whole
+    K-tile (loaded as bf16 elements, the registers carried were the unpacked halves, and the
+    unpacking waited on the load in the same iteration: 28 % of the stall samples, Nsight Compute
+    on the H200)."""
+    loop = _k_loop(_sass(bm, "trtllm", True, True, qm, words=True))
+    loads = [(i, t) for i, t in enumerate(loop) if re.search(r"\bLDG\.E\.(64|128)\b", t)]  # scale words: LDG.E
+    assert len(loads) == max(1, qm // 8)  # QM / 2 words a thread: one 8- or 16-byte load, two at QM = 16
+    for i, t in loads:
+        dest = _regs(t.split("LDG", 1)[1].split(",")[0])
+        dest = {r + j for r in dest for j in range(4 if ".128" in t else 2)}
+        for later in loop[i + 1:]:
+            op, _, args = re.sub(r"^@!?U?P\w+\s+", "", later).partition(" ")
+            parts = args.split(",")
+            sources = parts if op.startswith(("ST", "RED", "ATOM", "BAR", "BRA")) else parts[1:]
+            assert not dest & set().union(*map(_regs, sources)), f"{later} reads the words {t} loaded"

@@ -9,6 +9,7 @@ Outputs are poisoned with NaN first so an unwritten element fails the test.
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import pytest
@@ -164,8 +165,9 @@ def test_wgmma_configs_agree(layout, n, m):
     (both kernels, one after the other), 4, 8 or 16 partials summed per round trip; each config
     twice (the arrival counters must re-arm). The activations span 2^-10..2^10 across K, so every 32-block has its
     own code. The kernel's own quantization (of M rows rounded up to 1, 2, 4, 8 or 16; the other
-    MMA columns read zeros) gives the bits of the quantization kernel's: the two paths' outputs
-    are equal, bit for bit, config by config."""
+    MMA columns read zeros) gives the bits of the quantization kernel's, whether the bf16
+    activations are loaded as int32 words of two (M >= 2) or element by element: the three paths'
+    outputs are equal, bit for bit, config by config."""
     tri = _triton()
     if tri._gluon() is None:
         pytest.skip("Triton's Gluon is not installed")
@@ -178,10 +180,11 @@ def test_wgmma_configs_agree(layout, n, m):
     configs = ((3, 2, True, 1, False), (2, 0.01, True, 2, False), (6, 4, True, 3, False), (3, 2, False, 2, False),
                (2, 3, True, 2, True), (2, 3, False, 2, True))  # ..., programmatic dependent launch
     for stages, waves, serial, ahead, pdl in configs:
-        outs = [_check_twice(tri, x, w, bias, ref, tri.wgmma_config(
-            m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse, sw_ahead=ahead, pdl=pdl))
-            for fuse in (True, False)]
-        assert torch.equal(*outs), (stages, waves, serial, ahead, pdl)
+        cfgs = [tri.wgmma_config(m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse,
+                                 sw_ahead=ahead, pdl=pdl) for fuse in (True, False)]
+        cfgs.append(dataclasses.replace(cfgs[0], x_words=False))  # bf16 loaded element by element
+        outs = [_check_twice(tri, x, w, bias, ref, cfg) for cfg in cfgs]
+        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (stages, waves, serial, ahead, pdl)
     # partials loaded 4, 8 or 16 (the default here: 28 splits) per round trip: the same sums
     chunked = [_check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True,
                                                                    red_chunk=chunk)) for chunk in (0, 4, 8)]
@@ -205,6 +208,28 @@ def test_wgmma_activation_dtypes(dtype, m):
     fused = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, dev, fuse_quant=True, sw_ahead=2))
     before = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, dev, fuse_quant=False, sw_ahead=2))
     assert torch.equal(fused, before)
+
+
+@pytest.mark.parametrize("m", [3, 16])
+def test_wgmma_unaligned_bf16_rows(m):
+    """bf16 activations whose rows are not 4-byte aligned (an odd element offset, or an odd row
+    stride) cannot be read as int32 words: the kernel loads them element by element, with the
+    bits of the aligned words."""
+    tri = _triton()
+    if tri._gluon() is None:
+        pytest.skip("Triton's Gluon is not installed")
+    n, k = 576, 2048
+    w, q, code = random_weight(n, k, "trtllm", seed=37)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+    cfg = tri.wgmma_config(m, n, k, torch.device("cuda"), fuse_quant=True, sw_ahead=2)
+    aligned = _check_twice(tri, x, w, None, ref, cfg)
+    for pad, start in ((2, 1), (1, 0)):  # odd offset (even stride); odd stride
+        buf = torch.zeros(m, k + pad, device="cuda", dtype=torch.bfloat16)
+        buf[:, start:start + k] = x
+        xv = buf[:, start:start + k]
+        assert xv.data_ptr() % 4 or xv.stride(0) % 2
+        assert torch.equal(_check_twice(tri, xv, w, None, ref, cfg), aligned)
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])

@@ -246,7 +246,7 @@ def test_wgmma_rule_table(monkeypatch):
     # 4.2 / 10.5 / 16.8 / 24.9 / 37.7 / 132 M elements
     small, qwen_q, mid, qwen_mlp, large, huge = (1024, 4096), (4096, 2560), (4096, 4096), (9728, 2560), (24576, 1536), \
         (18432, 7168)
-    assert rule(1, *small) == expect(1, *small, 2) and rule(16, *small) == expect(16, *small, 1)
+    assert rule(1, *small) == expect(1, *small, 2) and rule(16, *small) == expect(16, *small, 1, serial=False)
     for m in (1, 2, 4):  # the last program sums the partials
         assert rule(m, *small) == expect(m, *small, 2)
         for shape in (mid, qwen_mlp, large, huge):
@@ -257,6 +257,10 @@ def test_wgmma_rule_table(monkeypatch):
     assert expect(8, *small, 2)[2] > tri.WGMMA_TWO_KERNEL_SPLIT and 1 < expect(8, *huge, 3)[2] <= 8
     assert rule(16, *mid) == expect(16, *mid, 2, serial=False) and rule(9, *qwen_q) == expect(9, *qwen_q, 2, serial=False)
     assert rule(16, *qwen_mlp) == expect(16, *qwen_mlp, 3, serial=False)
+    # M = 9..16: a second kernel wherever K is split (132 M: 2 splits), but for more than 8 splits
+    # of a small weight (DeepSeek kv_a, 4.1 M: 14)
+    assert rule(16, *huge) == expect(16, *huge, 3, serial=False) and expect(16, *huge, 3)[2] == 2
+    assert rule(16, 576, 7168) == expect(16, 576, 7168, 1) and expect(16, 576, 7168, 1)[2] == 14
     assert rule(16, *large) == expect(16, *large, 3, pdl=False)  # K unsplit at M > 8: no PDL
     assert expect(16, *large, 3)[2] == 1
     assert rule(17, *large) is None and rule(4, 4096, 4000) is None  # M > 16; K not a multiple of 128
