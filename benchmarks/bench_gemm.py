@@ -7,6 +7,7 @@ Run on the GPU (never collected by pytest):
     python benchmarks/bench_gemm.py load  [--out DIR]   # converted vs canonical+layout-at-load
     python benchmarks/bench_gemm.py decode [--sweep | --grid | --wgmma] [--out DIR]  # M <= 16: kernels vs bf16
     python benchmarks/bench_gemm.py quant  [--out DIR]   # the activation-quantization pass's share of a GEMM
+    python benchmarks/bench_gemm.py host   [--out DIR]   # Python time per eager call: config choice, launch
 
 Every mode takes --ms 1,2,... and --shapes NAME,... (substrings of the model-shape names).
 ``decode --wgmma`` times the Gluon kernel's configs (the rule's; the same with bf16 activations
@@ -553,9 +554,54 @@ def load_bench(root: Path, layers: int = 8) -> dict:
     return res
 
 
+def host_rows(shapes, ms) -> list[dict]:
+    """Host (Python) microseconds per eager call, no GPU timing: the rule's choice
+    (``choose_config``) against its memoized form (``default_config``, what a call without
+    ``config`` uses), and a whole ``triton_linear`` call (choice + launches, the GPU left to run)
+    with the cache kept against the cache emptied before each call. Median of 5 rounds of 200."""
+    import statistics
+
+    from mxfp8_convert.runtime.triton_mxfp8 import choose_config, default_config, triton_linear
+
+    dev = torch.device("cuda")
+
+    def per_call(fn, reps=200):
+        times = []
+        for _ in range(5):
+            t0 = time.perf_counter()
+            for _ in range(reps):
+                fn()
+            times.append((time.perf_counter() - t0) / reps * 1e6)
+            torch.cuda.synchronize()
+        return statistics.median(times)
+
+    rows = []
+    pdl = os.environ.get("MXFP8_PDL")
+    for name, n, k in shapes:
+        w, _, _ = random_weight(n, k, "trtllm")
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            out = torch.empty(m, n, device="cuda", dtype=torch.bfloat16)
+            triton_linear(x, w, out=out)  # compiled and cached
+
+            def cold(x=x, w=w, out=out):
+                default_config.cache_clear()
+                triton_linear(x, w, out=out)
+
+            row = {"shape": name, "m": m, "n": n, "k": k,
+                   "choose_us": per_call(lambda m=m, n=n, k=k: choose_config(m, n, k, dev)),
+                   "memo_us": per_call(lambda m=m, n=n, k=k: default_config(m, n, k, dev, pdl)),
+                   "call_us": per_call(lambda x=x, w=w, out=out: triton_linear(x, w, out=out)),
+                   "call_nomemo_us": per_call(cold)}
+            rows.append(row)
+            print(f"{name:32s} M={m:3d} choose {row['choose_us']:6.1f} us  memoized {row['memo_us']:5.2f} us  "
+                  f"call {row['call_us']:6.1f} us (rule each call: {row['call_nomemo_us']:6.1f} us)", flush=True)
+    return rows
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("mode", choices=["gemm", "tune", "load", "decode", "quant"])
+    p.add_argument("mode", choices=["gemm", "tune", "load", "decode", "quant", "host"])
     p.add_argument("--sweep", action="store_true", help="decode: time alternative configs too")
     p.add_argument("--wgmma", action="store_true", help="decode: time the Gluon wgmma kernel's configs")
     p.add_argument("--grid", action="store_true", help="decode: time a grid of GEMV configs (M <= 4)")
@@ -598,6 +644,8 @@ def main() -> None:
         result["rows"] = decode_rows(shapes, ms, layouts, sweep)
         (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
         decode_summary(result["rows"])
+    elif args.mode == "host":
+        result["rows"] = host_rows(shapes, [int(m) for m in args.ms.split(",")])
     elif args.mode == "quant":
         result["rows"] = quant_share_rows(shapes, [int(m) for m in args.ms.split(",")])
     elif args.mode == "tune":

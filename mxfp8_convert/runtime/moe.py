@@ -537,7 +537,7 @@ def triton_fused_moe(
     Args:
         method: ``"loop"`` or ``"grouped"`` (default :data:`DEFAULT_TRITON_METHOD`).
         configs: loop only: ``(fc1, fc2)`` :class:`GemmConfig` for every expert (tests);
-            default :func:`choose_config` per call.
+            default: the rule's choice per shape (:func:`triton_mxfp8.default_config`).
         grouped_config: grouped only: a ``triton_moe.GroupedConfig``.
     """
     _check_inputs(hidden_states, topk_ids, topk_weights, experts, activation)

@@ -46,6 +46,7 @@ This module imports triton at import time; :mod:`mxfp8_convert.runtime` imports 
 from __future__ import annotations
 
 import dataclasses
+import functools
 import os
 from dataclasses import dataclass
 
@@ -961,6 +962,16 @@ def cublas_config(m: int, n: int, k: int, device: torch.device, *, chunk_n: int 
     return GemmConfig(64, 0, _fit_block_k(k, 256), fuse_quant=False, cublas=True, chunk_n=chunk_n)
 
 
+@functools.lru_cache(maxsize=4096)
+def default_config(m: int, n: int, k: int, device: torch.device, pdl_env: str | None, *,
+                   wgmma: bool = True) -> GemmConfig:
+    """:func:`choose_config`, memoized per shape, device and ``MXFP8_PDL`` value (the other inputs of
+    the rules, the device's capability and SM count and the installed CUDA and Triton, do not
+    change within a process): the choice costs tens of microseconds of Python, which an eager
+    decode step would pay per linear layer (``benchmarks/bench_gemm.py host``, on a GPU)."""
+    return choose_config(m, n, k, device, wgmma=wgmma)
+
+
 def choose_config(m: int, n: int, k: int, device: torch.device, *, decode: bool = True,
                   cublas: bool = True, wgmma: bool = True) -> GemmConfig:
     """Tile choice by M bucket; rules fitted to sweeps on one H200 (benchmarks/NOTES_gemm.md).
@@ -1165,9 +1176,13 @@ def _launch(
     """Run the quantize (large M), GEMM and split-K reduce kernels into ``out`` [M, N]."""
     m, k = x.shape
     n = weight.shape[0]
-    cfg = config or choose_config(m, n, k, x.device)
-    if cfg.wgmma and config is None and not _gluon().supported(weight, k):
-        cfg = choose_config(m, n, k, x.device, wgmma=False)  # e.g. canonical or unaligned weight bytes
+    if config is None:
+        pdl_env = os.environ.get("MXFP8_PDL")
+        cfg = default_config(m, n, k, x.device, pdl_env)
+        if cfg.wgmma and not _gluon().supported(weight, k):  # e.g. canonical or unaligned weight bytes
+            cfg = default_config(m, n, k, x.device, pdl_env, wgmma=False)
+    else:
+        cfg = config
     if k % cfg.block_k:
         raise LayoutError(f"block_k={cfg.block_k} does not divide K={k}")
     if x.stride(1) != 1:

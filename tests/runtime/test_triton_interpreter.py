@@ -291,6 +291,29 @@ def test_wgmma_rule_table(monkeypatch):
     assert rule(4, *mid) is None  # Hopper only
 
 
+@interp
+def test_default_config_is_chosen_once_per_shape(monkeypatch):
+    """Without ``config``, a call takes the rule's choice from a cache keyed by shape, device and
+    ``MXFP8_PDL`` (``default_config``): the rule runs once for repeated calls, again for another
+    shape or another ``MXFP8_PDL``, and the outputs are those of the explicit config."""
+    import mxfp8_convert.runtime.triton_mxfp8 as tri
+
+    w, q, code, x = _case("trtllm", 2, 128, 256)
+    calls = []
+    real = tri.choose_config
+    monkeypatch.setattr(tri, "choose_config", lambda *a, **kw: calls.append(a[:3]) or real(*a, **kw))
+    monkeypatch.delenv("MXFP8_PDL", raising=False)
+    tri.default_config.cache_clear()
+    outs = [tri.triton_linear(x, w) for _ in range(3)]
+    assert calls == [(2, 128, 256)]
+    assert all(torch.equal(o, outs[0]) for o in outs)
+    assert torch.equal(outs[0], tri.triton_linear(x, w, config=real(2, 128, 256, x.device)))
+    tri.triton_linear(x[:1], w)  # another shape
+    monkeypatch.setenv("MXFP8_PDL", "0")
+    tri.triton_linear(x, w)
+    assert calls == [(2, 128, 256), (1, 128, 256), (2, 128, 256)]
+
+
 def test_cublas_is_the_rule_from_min_m():
     """The dispatch measured on the H200: M >= CUBLAS_MIN_M -> the cuBLAS path, with chunks of
     whole 128-row groups that fit the workspace; below, and with cublas=False, the tile kernel."""
