@@ -16,8 +16,11 @@ its ``QM`` rows (M rounded up to a power of two; warp j takes 32-block j), round
 hardware's ``cvt.rn.satfinite``, which gives the same bytes), stores the e4m3 tile to shared
 memory (MMA columns QM..BM-1 read zeros) and the blocks' scales beside it, fences the tile for
 the async proxy and meets the other warps at the one barrier the tile needs before the wgmma
-reads it; this happens while the tile's weight bytes are still on their way. The weight scale
-words come from DRAM, so they are loaded up to three K-tiles ahead (``SW_AHEAD``).
+reads it; this happens while the tile's weight bytes are still on their way. The next tile's
+activations are loaded one iteration ahead; bf16 ones as int32 words of two elements
+(``X_WORDS``), which stay packed in the registers carried to the next iteration, so nothing
+waits on that load before then. The weight scale words come from DRAM, so they are loaded up to
+three K-tiles ahead (``SW_AHEAD``).
 
 With ``PDL`` (programmatic dependent launch) the kernel first waits for the previous kernel in
 the stream (``griddepcontrol.wait``, before any memory access, so it never reads an unfinished
