@@ -287,7 +287,10 @@ def _wgmma_decode_kernel(
         lrows = rows
     mask = gl.expand_dims(lrows < N, 1) & gl.expand_dims(cols < M, 0)
     off = gl.expand_dims(cols.to(gl.int64), 0) * stride_om + gl.expand_dims(lrows, 1)
-    ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(lrows, 1)
+    # partials summed in this kernel (SERIAL) stay in physical row order: contiguous stores and
+    # loads (in the P32 order a warp's 8 rows span 4x the 32-byte sectors); the second kernel
+    # reads logical rows
+    ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(rows if SERIAL else lrows, 1)
     if PARTIAL:
         gl.store(ws_ptr + gl.program_id(1).to(gl.int64) * stride_os + ws_off, acc, mask=mask)
         if SERIAL:  # the last split of this row tile to arrive sums the partials: no second launch
