@@ -28,6 +28,7 @@ bench: install
 	OMP_NUM_THREADS=1 $(BIN)/python benchmarks/bench_quantize.py
 	$(BIN)/python benchmarks/bench_convert.py --workers 1 2
 	$(BIN)/python benchmarks/bench_moe_convert.py
+	$(BIN)/python benchmarks/bench_host.py
 
 lint: install
 	$(BIN)/ruff check mxfp8_convert tests benchmarks examples

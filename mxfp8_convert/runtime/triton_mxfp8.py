@@ -1078,6 +1078,17 @@ def quantize_activations(
 _LOCKS: dict[torch.device, torch.Tensor] = {}
 
 
+def _cdiv(a: int, b: int) -> int:
+    """``triton.cdiv`` in plain Python, for the launch paths: Triton's costs ~3 us of Python per
+    call (a constexpr function), several per launch (``benchmarks/bench_host.py``)."""
+    return -(-a // b)
+
+
+def _next_pow2(n: int) -> int:
+    """``triton.next_power_of_2`` in plain Python (n >= 1), for the launch paths."""
+    return 1 << (n - 1).bit_length()
+
+
 def _tile_locks(device: torch.device, tiles: int) -> torch.Tensor:
     """Per-device int32 arrival counters of the serial split-K reduction, zero between calls.
 
@@ -1109,7 +1120,7 @@ def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, cfg:
     as a programmatic dependent of the GEMM, which lets it launch early)."""
     total = out.shape[0] * out.shape[1]
     block = 1024
-    _splitk_reduce_kernel[(triton.cdiv(total, block),)](
+    _splitk_reduce_kernel[(_cdiv(total, block),)](
         ws, bias, out, out.shape[1], total, total, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, PDL=pdl,
         CHUNK=cfg.red_chunk, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
@@ -1199,7 +1210,7 @@ def _launch(
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
     bias_t = bias if has_bias else out
-    tiles = triton.cdiv(n, cfg.block_n) * triton.cdiv(m, cfg.block_m)
+    tiles = _cdiv(n, cfg.block_n) * _cdiv(m, cfg.block_m)
     partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
     _mxfp8_gemm_kernel[(tiles, cfg.split_k)](
         a, weight.data, _scale_operand(weight), bias_t, out, ws, lock,
@@ -1228,8 +1239,8 @@ def _quantize_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     m, k = x.shape
     xq = torch.empty((m, k), dtype=torch.uint8, device=x.device)
     xc = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
-    bk = min(128, triton.next_power_of_2(k))
-    _quantize_kernel[(triton.cdiv(m, 16), triton.cdiv(k, bk))](
+    bk = min(128, _next_pow2(k))
+    _quantize_kernel[(_cdiv(m, 16), _cdiv(k, bk))](
         x, x, xq, xc, m, k, x.stride(0), WRITE_DEQ=False, WRITE_Q=True, BLOCK_M=16, BLOCK_K=bk, num_warps=4)
     return xq.view(torch.float8_e4m3fn), xc
 
@@ -1245,7 +1256,7 @@ def _launch_wgmma(
         raise LayoutError("the wgmma decode kernel needs Triton's Gluon (triton >= 3.6)")
     xq, xc = (x, None) if cfg.fuse_quant else _quantize_codes(x)
     has_bias = bias is not None
-    partial, serial, ws, lock = _split_k_buffers(out, cfg, triton.cdiv(weight.shape[0], cfg.block_n))
+    partial, serial, ws, lock = _split_k_buffers(out, cfg, _cdiv(weight.shape[0], cfg.block_n))
     gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
                        split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
                        red_chunk=cfg.red_chunk, x_words=cfg.x_words)
@@ -1268,7 +1279,7 @@ def _launch_decode(
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
     bias_t = bias if has_bias else out
-    tiles = triton.cdiv(n, cfg.block_n)
+    tiles = _cdiv(n, cfg.block_n)
     partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
     _mxfp8_decode_kernel[(tiles, cfg.split_k)](
         x, xq, xc, weight.data, _scale_operand(weight), bias_t, out, ws, lock,
@@ -1303,7 +1314,7 @@ def _launch_gemv(
     c, cp4 = _scale_geometry(weight)
     has_bias = bias is not None
     bias_t = bias if has_bias else out
-    tiles = triton.cdiv(n, cfg.block_n)
+    tiles = _cdiv(n, cfg.block_n)
     partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
     _mxfp8_gemv_kernel[(tiles, cfg.split_k)](
         a, wdata, _scale_operand(weight), bias_t, out, ws, lock,
@@ -1348,7 +1359,7 @@ def dequantize_weight(
         return out
     bk = _fit_block_k(k, block_k)
     c, cp4 = _scale_geometry(weight)
-    grid = (triton.cdiv(stop - start, block_n), k // bk)
+    grid = (_cdiv(stop - start, block_n), k // bk)
     _dequantize_weight_kernel[grid](
         weight.data, _scale_operand(weight), out, stop, start, weight.data.stride(0), out.stride(0), c, cp4,
         LAYOUT=LAYOUT_CODE[weight.layout], DOT_BF16=out.dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_K=bk,

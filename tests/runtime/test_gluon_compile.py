@@ -173,3 +173,20 @@ def test_activation_words_are_used_one_k_tile_after_their_load(bm, qm):
             parts = args.split(",")
             sources = parts if op.startswith(("ST", "RED", "ATOM", "BAR", "BRA")) else parts[1:]
             assert not dest & set().union(*map(_regs, sources)), f"{later} reads the words {t} loaded"
+
+
+def test_launch_helpers_match_triton():
+    """The launch path's plain-Python ``cdiv`` / next power of two and its cached shared layouts
+    are Triton's own values (``benchmarks/bench_host.py`` times why they exist)."""
+    import triton
+    from triton.experimental.gluon import language as gl
+
+    from mxfp8_convert.runtime.triton_mxfp8 import _cdiv, _next_pow2
+
+    for a in range(1, 600):
+        assert _next_pow2(a) == triton.next_power_of_2(a)
+        for b in (1, 7, 16, 64, 128):
+            assert _cdiv(a, b) == triton.cdiv(a, b)
+    for rows in (8, 16, gluon_mxfp8.BLOCK_N):
+        expect = gl.NVMMASharedLayout.get_default_for([rows, gluon_mxfp8.BLOCK_K], gl.float8e4nv)
+        assert gluon_mxfp8._smem_layout(rows) == expect and gluon_mxfp8._smem_layout(rows) is gluon_mxfp8._smem_layout(rows)
