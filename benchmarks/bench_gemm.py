@@ -326,8 +326,8 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
 
         from mxfp8_convert.runtime.triton_mxfp8 import (
             gemv_rule,
-            pdl_enabled,
             wgmma_config,
+            wgmma_pdl,
             wgmma_rule,
         )
 
@@ -341,7 +341,7 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
                 for serial in (True, False):
                     if cfg.split_k > 1 or serial:
                         out[f"wg.s4.w{waves}" + ("" if serial else ".2k")] = dataclasses.replace(
-                            cfg, serial_reduce=serial, pdl=pdl_enabled(dev) and not (m > 8 and cfg.split_k == 1))
+                            cfg, serial_reduce=serial, pdl=wgmma_pdl(m, cfg.split_k, dev))
         if (gemv := gemv_rule(m, n, k, dev)) is not None:
             out["gemv"] = gemv
         return out

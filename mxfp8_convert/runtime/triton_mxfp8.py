@@ -867,9 +867,9 @@ def pdl_enabled(device: torch.device) -> bool:
 
 def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
     """The Gluon wgmma kernel's config where it measured fastest on the H200
-    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2, 4, 6 and 8; "Sixth session"), else None. Hopper with Gluon,
-    K % 128 == 0, M <= 16; activations always quantized inside the kernel (scale words two K-tiles
-    ahead); by weight size (elements):
+    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2, 4, 6 and 8; "Sixth session"), else None.
+    Hopper with Gluon, K % 128 == 0, M <= 16; activations always quantized inside the kernel (scale
+    words two K-tiles ahead); by weight size (elements):
 
     ========  ==========================  ================  ================
     M         < 8 M                       8 M .. 20 M       >= 20 M
@@ -894,8 +894,7 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
     if m > 16 or k % 128 or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
     size = n * k
-    pdl = pdl_enabled(device)
-    if (size < WGMMA_SMALL_WEIGHT and m == 1 and not pdl) or _gluon() is None:
+    if (size < WGMMA_SMALL_WEIGHT and m == 1 and not pdl_enabled(device)) or _gluon() is None:
         return None
     if m <= 8:
         waves = 2 if size < WGMMA_SMALL_WEIGHT else 3
@@ -908,7 +907,13 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
         two_kernel = m >= 5 and 1 < cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT and WGMMA_SMALL_WEIGHT <= size < WGMMA_HUGE_WEIGHT
     else:  # 16-column partials: summed by a second kernel, but for many splits of a small weight
         two_kernel = cfg.split_k > 1 and (size >= WGMMA_SMALL_WEIGHT or cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT)
-    return dataclasses.replace(cfg, serial_reduce=not two_kernel, pdl=pdl and not (m > 8 and cfg.split_k == 1))
+    return dataclasses.replace(cfg, serial_reduce=not two_kernel, pdl=wgmma_pdl(m, cfg.split_k, device))
+
+
+def wgmma_pdl(m: int, split_k: int, device: torch.device) -> bool:
+    """Whether the wgmma path launches as a programmatic dependent: where :func:`pdl_enabled`,
+    except for an unsplit K at M > 8 (see :func:`wgmma_rule`)."""
+    return pdl_enabled(device) and not (m > 8 and split_k == 1)
 
 
 def use_decode(m: int, n: int, k: int, device: torch.device) -> bool:
