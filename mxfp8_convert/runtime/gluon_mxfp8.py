@@ -290,7 +290,8 @@ def _wgmma_decode_kernel(
     off = gl.expand_dims(cols.to(gl.int64), 0) * stride_om + gl.expand_dims(lrows, 1)
     # partials summed in this kernel (SERIAL) stay in physical row order: contiguous stores and
     # loads (in the P32 order a warp's 8 rows span 4x the 32-byte sectors); the second kernel
-    # reads logical rows
+    # reads logical rows. ``mask`` serves both: a trtllm N is a multiple of 32 and P32 permutes
+    # within 32-row groups, so the physical and the logical rows below N are the same set
     ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(rows if SERIAL else lrows, 1)
     if PARTIAL:
         gl.store(ws_ptr + gl.program_id(1).to(gl.int64) * stride_os + ws_off, acc, mask=mask)
