@@ -10,9 +10,11 @@ Run on the GPU (never collected by pytest):
     python benchmarks/bench_gemm.py host   [--out DIR]   # Python time per eager call: config choice, launch
 
 Every mode takes --ms 1,2,... and --shapes NAME,... (substrings of the model-shape names).
-``decode --wgmma`` times the Gluon kernel's configs (the rule's; the same with bf16 activations
-loaded element by element instead of as int32 words, or with 3- and 4-stage TMA rings; 4 stages
-x programs per SM x last-program or second-kernel split-K reduction) and a ``read-only`` row per
+``decode --wgmma`` times the Gluon kernel's configs (the rule's; the split-K partials summed
+through global memory instead, by the sixth session's rule; the splits of a row tile as one
+thread-block cluster, summed through distributed shared memory, at 1, 2 and 3 waves of programs,
+at M > 8 also without PDL, and with the activations quantized by a kernel before) and a
+``read-only`` row per
 shape: a kernel that only reads the fp8 weight bytes, the ceiling for any kernel that streams
 them. ``MXFP8_PDL=0`` times the rule without PDL.
 
@@ -321,7 +323,7 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
         return out
     if sweep != "wgmma":
         out["old"] = choose_config(m, n, k, dev, decode=False)
-    else:  # the Gluon kernel: the rule, bf16 loaded element by element, programs per SM x reduction
+    else:  # the Gluon kernel: the rule, cluster reductions x programs per SM
         import dataclasses
 
         from mxfp8_convert.runtime.triton_mxfp8 import (
@@ -331,17 +333,19 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
             wgmma_rule,
         )
 
-        if (base := wgmma_rule(m, n, k, dev)) is not None:
-            out["wg.elems"] = dataclasses.replace(base, x_words=False)
-            out["wg.s3"] = dataclasses.replace(base, num_stages=3)
-            out["wg.s4"] = dataclasses.replace(base, num_stages=4)
-            for waves in (1, 2, 3):  # 4-stage rings; at most 16 splits from M = 4, PDL as the rule sets it
-                cfg = wgmma_config(m, n, k, dev, waves=waves, fuse_quant=True, sw_ahead=2, stages=4,
-                                   max_split=16 if m >= 4 else 0)
-                for serial in (True, False):
-                    if cfg.split_k > 1 or serial:
-                        out[f"wg.s4.w{waves}" + ("" if serial else ".2k")] = dataclasses.replace(
-                            cfg, serial_reduce=serial, pdl=wgmma_pdl(m, cfg.split_k, dev))
+        if (base := wgmma_rule(m, n, k, dev, cluster=False)) is not None:
+            out["wg.global"] = base  # the partials through global memory (the sixth session's rule)
+            if m > 8:  # activations quantized once, by a kernel before (16 columns: each program re-quantizes them)
+                out["wg.global.q"] = dataclasses.replace(base, fuse_quant=False)
+            for waves in (1, 2, 3):  # the splits of a row tile as one cluster, summed through DSMEM
+                cfg = wgmma_config(m, n, k, dev, waves=waves, fuse_quant=True, sw_ahead=2,
+                                   max_split=16 if m >= 4 else 0, cluster=True)
+                if cfg.cluster:
+                    out[f"wg.cl{cfg.split_k}.w{waves}"] = dataclasses.replace(cfg, pdl=wgmma_pdl(m, cfg.split_k, dev))
+                    if m > 8:  # clusters wait for room in one GPC: is it there with the neighbours launched early?
+                        out[f"wg.cl{cfg.split_k}.w{waves}.nopdl"] = cfg
+                        out[f"wg.cl{cfg.split_k}.w{waves}.q"] = dataclasses.replace(
+                            cfg, pdl=wgmma_pdl(m, cfg.split_k, dev), fuse_quant=False)
         if (gemv := gemv_rule(m, n, k, dev)) is not None:
             out["gemv"] = gemv
         return out

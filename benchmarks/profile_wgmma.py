@@ -4,7 +4,9 @@
         --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
         python benchmarks/profile_wgmma.py --n 4096 --k 4096 --m 4
 
-Runs the rule's config (``choose_config``), three times, and prints it.
+Runs the rule's config (``choose_config``), or with ``--cluster-waves W`` the splits of a row tile
+as one cluster at ``W`` waves of programs (``--global``: the partials through global memory, the
+rule without clusters), three times, and prints it.
 """
 
 from __future__ import annotations
@@ -20,7 +22,12 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 from bench_gemm import random_weight  # noqa: E402
 
-from mxfp8_convert.runtime.triton_mxfp8 import choose_config, triton_linear  # noqa: E402
+from mxfp8_convert.runtime.triton_mxfp8 import (  # noqa: E402
+    choose_config,
+    triton_linear,
+    wgmma_config,
+    wgmma_rule,
+)
 
 
 def main() -> None:
@@ -29,10 +36,17 @@ def main() -> None:
     p.add_argument("--k", type=int, default=4096)
     p.add_argument("--m", type=int, default=4)
     p.add_argument("--layout", default="trtllm")
+    p.add_argument("--cluster-waves", type=float, default=0)
+    p.add_argument("--global", dest="global_", action="store_true")
     args = p.parse_args()
     w, _, _ = random_weight(args.n, args.k, args.layout)  # the benchmark's operands
     x = torch.randn(args.m, args.k, device="cuda", dtype=torch.bfloat16)
     cfg = choose_config(args.m, args.n, args.k, x.device)
+    if args.global_:
+        cfg = wgmma_rule(args.m, args.n, args.k, x.device, cluster=False)
+    elif args.cluster_waves:
+        cfg = wgmma_config(args.m, args.n, args.k, x.device, waves=args.cluster_waves, fuse_quant=True, sw_ahead=2,
+                           max_split=16, cluster=True)
     print(cfg.to_dict(), flush=True)
     for _ in range(3):
         triton_linear(x, w, config=cfg)

@@ -55,7 +55,13 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfp8_convert.errors import LayoutError
-from mxfp8_convert.runtime.triton_mxfp8 import _cdiv, _next_pow2, _pow2_f32, _ue8m0_code
+from mxfp8_convert.runtime.triton_mxfp8 import (
+    CLUSTER_SIZES,
+    _cdiv,
+    _next_pow2,
+    _pow2_f32,
+    _ue8m0_code,
+)
 from mxfp8_convert.runtime.weight import MXFP8Weight
 
 # TMA global->shared load: ``async_load`` since Triton 3.7, ``async_copy_global_to_shared`` before
@@ -88,6 +94,44 @@ def _gdc_wait_and_release():
     a kernel launched without the attribute."""
     gl.inline_asm_elementwise("griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;", "=r", [],
                               dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _cluster_rank():
+    """This program's rank in its thread-block cluster (0 when launched without one)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r", [], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _cluster_size():
+    """Programs in this program's thread-block cluster (1 when launched without one)."""
+    return gl.inline_asm_elementwise("mov.u32 $0, %cluster_nctarank;", "=r", [], dtype=gl.int32, is_pure=True,
+                                     pack=1)
+
+
+@gluon.jit
+def _cluster_sync():
+    """Barrier of every thread of the cluster: shared-memory writes before it (release) are seen by
+    the cluster's reads after it (acquire)."""
+    gl.inline_asm_elementwise("barrier.cluster.arrive.release; barrier.cluster.wait.acquire; mov.b32 $0, 0;", "=r",
+                              [], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _exchange_store(off, v):
+    """Store fp32 ``v`` at byte offset ``off`` of this program's shared memory (its start: the TMA
+    ring, no longer in use when this runs)."""
+    gl.inline_asm_elementwise("{ .reg .b32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.f32 [a], $2; }"
+                              " mov.b32 $0, 0;", "=r,r,f", [off, v], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
+def _exchange_load(off, rank):
+    """fp32 at byte offset ``off`` of the shared memory of the cluster's program ``rank`` (DSMEM)."""
+    return gl.inline_asm_elementwise(
+        "{ .reg .b32 a; mov.u32 a, global_smem; add.u32 a, a, $1; mapa.shared::cluster.u32 a, a, $2;"
+        " ld.shared::cluster.f32 $0, [a]; }", "=f,r,r", [off, rank], dtype=gl.float32, is_pure=False, pack=1)
 
 
 @gluon.jit
@@ -159,7 +203,7 @@ def _wgmma_decode_kernel(
     LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr,
     FUSE_QUANT: gl.constexpr, BM: gl.constexpr, QM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
     SW_AHEAD: gl.constexpr, PDL: gl.constexpr, RED_CHUNK: gl.constexpr, X_WORDS: gl.constexpr,
-    num_warps: gl.constexpr,
+    CLUSTER: gl.constexpr, RED_E: gl.constexpr, num_warps: gl.constexpr,
 ):
     if PDL:  # before any access to memory
         _gdc_wait_and_release()
@@ -169,10 +213,18 @@ def _wgmma_decode_kernel(
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
 
     pid_n = gl.program_id(0)
+    split = gl.program_id(1)
     k_tiles = K // 128
-    per_split = gl.cdiv(k_tiles, split_k)
-    kt0 = gl.program_id(1) * per_split
-    n_it = gl.minimum(kt0 + per_split, k_tiles) - kt0
+    if CLUSTER > 1:  # the splits of a row tile are one cluster: its size, not the argument, splits K, evenly
+        split_k = _cluster_size()
+        split = _cluster_rank()
+        pid_n = pid_n // split_k
+        kt0 = split * k_tiles // split_k
+        n_it = (split + 1) * k_tiles // split_k - kt0
+    else:
+        per_split = gl.cdiv(k_tiles, split_k)
+        kt0 = split * per_split
+        n_it = gl.minimum(kt0 + per_split, k_tiles) - kt0
     p0 = pid_n * BN
 
     w_s = gl.allocate_shared_memory(w_desc.dtype, [STAGES, BN, 128], w_desc.layout)
@@ -293,8 +345,34 @@ def _wgmma_decode_kernel(
     # reads logical rows. ``mask`` serves both: a trtllm N is a multiple of 32 and P32 permutes
     # within 32-row groups, so the physical and the logical rows below N are the same set
     ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(rows if SERIAL else lrows, 1)
-    if PARTIAL:
-        gl.store(ws_ptr + gl.program_id(1).to(gl.int64) * stride_os + ws_off, acc, mask=mask)
+    if CLUSTER > 1:
+        if split_k > 1:  # each split leaves its partial in its shared memory; each sums a share of the
+            # tile's elements over the cluster, in split order (the bits of the serial reduction)
+            _exchange_store((gl.expand_dims(rows - p0, 1) * BM + gl.expand_dims(cols, 0)) * 4, acc)
+            _cluster_sync()
+            red_l: gl.constexpr = gl.BlockedLayout([max(RED_E // (32 * num_warps), 1)], [32], [num_warps], [0])
+            share = gl.cdiv(BN * BM, split_k)
+            e = split * share + gl.arange(0, RED_E, layout=red_l)
+            ok = (e < (split + 1) * share) & (e < BN * BM)
+            total = gl.zeros([RED_E], gl.float32, red_l)
+            for r in gl.static_range(CLUSTER):
+                total = total + _exchange_load(gl.minimum(e, BN * BM - 1) * 4, gl.full([RED_E], r, gl.int32, red_l))
+            _cluster_sync()  # the others' shared memory stays until it was read
+            pr = p0 + e // BM
+            if LAYOUT == 1:
+                pq = pr % 32
+                pr = pr - pq + 4 * (pq % 8) + pq // 8
+            ec = e % BM
+            ok = ok & (pr < N) & (ec < M)
+            if HAS_BIAS:
+                total += gl.load(b_ptr + gl.minimum(pr, N - 1)).to(gl.float32)
+            gl.store(out_ptr + ec.to(gl.int64) * stride_om + pr, total.to(out_ptr.dtype.element_ty), mask=ok)
+        else:  # launched without clusters: this program ran the whole K
+            if HAS_BIAS:
+                acc += gl.expand_dims(gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32), 1)
+            gl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    elif PARTIAL:
+        gl.store(ws_ptr + split.to(gl.int64) * stride_os + ws_off, acc, mask=mask)
         if SERIAL:  # the last split of this row tile to arrive sums the partials: no second launch
             _cta_barrier()  # every thread's partial is stored before the release below
             arrived = gl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -337,10 +415,14 @@ def wgmma_decode(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
     ws: torch.Tensor | None, lock: torch.Tensor | None, *, split_k: int, xc: torch.Tensor | None = None,
     stages: int = 2, sw_ahead: int = 1, pdl: bool = False, red_chunk: int = 4, x_words: bool = True,
+    cluster: bool = False,
 ) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16); with ``split_k > 1`` fp32 partials go to ``ws``
     ``[split_k, M, N]`` and are summed by the last program of each row tile to arrive when
-    ``lock`` (zeroed int32 arrival counters, one per row tile) is given, else by the caller.
+    ``lock`` (zeroed int32 arrival counters, one per row tile) is given, else by the caller;
+    with ``cluster`` (``split_k`` in ``CLUSTER_SIZES``) the splits of a row tile run as one
+    thread-block cluster and the first sums the others' partials from their shared memory (no
+    ``ws`` or ``lock``).
 
     ``stages`` TMA buffers in the ring; the weight scale words are loaded ``sw_ahead`` (1..3)
     K-tiles ahead. ``pdl``: launched as a programmatic dependent of the previous kernel in the
@@ -371,20 +453,56 @@ def wgmma_decode(
     w_layout, x_layout = _smem_layout(BLOCK_N), _smem_layout(bm)
     w_desc = TensorDescriptor(weight.data, [n, k], [k, 1], [BLOCK_N, BLOCK_K], w_layout)
     x_desc = None if fuse else TensorDescriptor(x, [m, k], [k, 1], [bm, BLOCK_K], x_layout)
-    partial = split_k > 1
+    cluster = cluster and split_k > 1
+    if cluster and split_k not in CLUSTER_SIZES:
+        raise ValueError(f"split_k={split_k}: a cluster holds {', '.join(map(str, CLUSTER_SIZES))} programs")
+    partial = split_k > 1 and not cluster
     # bf16 activations go to the kernel as int32 words (two elements each) where they align
     words = (x_words and fuse and x.dtype == torch.bfloat16 and m >= 2 and x.data_ptr() % 4 == 0
              and x.stride(0) % 2 == 0)
     xk, stride_xm = (x.view(torch.int32), x.stride(0) // 2) if words else (x, x.stride(0))
     scale = weight.scale.view(torch.int32)
     cp4 = (k // 32 + 3) // 4
-    _wgmma_decode_kernel[(_cdiv(n, BLOCK_N), split_k)](
+    compiled = _wgmma_decode_kernel[(_cdiv(n, BLOCK_N), 1 if cluster else split_k)](
         w_desc, x_desc, xk, scale, scale if fuse else xc, bias if bias is not None else out, out,
         ws if partial else out, lock if lock is not None else scale, m, n, k, stride_xm, out.stride(0),
         m * n, cp4, split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
         SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=_next_pow2(m),
         X_SMEM=x_layout, STAGES=stages, SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, X_WORDS=words,
-        num_warps=4,
+        CLUSTER=split_k if cluster else 0,
+        RED_E=BLOCK_N * bm >> (split_k.bit_length() - 1) if cluster else 0, num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
     )
+    if cluster:  # compiled before the wrapper below was in place: clusters from the next launch on
+        _launch_as_clusters(compiled, split_k)
+
+
+def _launch_as_clusters(compiled, size: int) -> None:
+    """Make Triton launch ``compiled`` as clusters of ``size`` programs along the first grid axis
+    (its launcher reads the cluster size from the packed metadata ``(num_warps, num_ctas,
+    shared)``, and multiplies the first grid dimension by it). The kernel is compiled for one
+    CTA per cluster, as Gluon layouts are written here; it reads its rank and the cluster size
+    from the special registers, so launched without clusters it computes the whole K itself."""
+    meta = compiled.packed_metadata
+    if meta[1] != size:
+        compiled.packed_metadata = (meta[0], size, *meta[2:])
+
+
+def _compile_for_clusters(do_compile):
+    """Wrap the kernel's ``JITFunction._do_compile`` so that a kernel compiled with ``CLUSTER > 1``
+    launches as clusters from its first launch on (``_launch_as_clusters``)."""
+    index = _wgmma_decode_kernel.arg_names.index("CLUSTER")
+
+    @functools.wraps(do_compile)
+    def wrapped(key, signature, device, constexprs, *args, **kwargs):
+        kernel = do_compile(key, signature, device, constexprs, *args, **kwargs)
+        size = constexprs.get((index,), 0) if isinstance(constexprs, dict) else 0
+        if size and size > 1 and hasattr(kernel, "packed_metadata"):
+            _launch_as_clusters(kernel, size)
+        return kernel
+
+    return wrapped
+
+
+_wgmma_decode_kernel._do_compile = _compile_for_clusters(_wgmma_decode_kernel._do_compile)

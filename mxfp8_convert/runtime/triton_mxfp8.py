@@ -704,6 +704,7 @@ class GemmConfig:
     pdl: bool = False  # wgmma: programmatic dependent launch (``gluon_mxfp8.wgmma_decode``)
     red_chunk: int = 4  # wgmma: split-K partials loaded per round trip by the reducing program or kernel
     x_words: bool = True  # wgmma, fused: bf16 activations loaded as int32 words of two (``wgmma_decode``)
+    cluster: bool = False  # wgmma, split-K: the splits of a row tile are one cluster, summed through DSMEM
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -727,6 +728,10 @@ def _fit_block_k(k: int, want: int) -> int:
         bk //= 2
     return bk
 
+
+#: Programs per thread-block cluster the wgmma kernel's launch accepts (``wgmma_config(cluster=True)``):
+#: up to 8 (portable), and 16, which Triton's launcher allows as non-portable (Hopper, Blackwell)
+CLUSTER_SIZES = (2, 3, 4, 5, 6, 7, 8, 16)
 
 #: Below this many weight elements a decode GEMM runs as one kernel (activation quantization
 #: fused, split-K reduced by the last CTA); above it, three (quantize, GEMM, reduce) are faster.
@@ -805,25 +810,33 @@ def _gluon():
 
 def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 2, waves: float = 3.0,
                  serial_reduce: bool = True, fuse_quant: bool = False, sw_ahead: int = 1,
-                 pdl: bool = False, red_chunk: int = 0, max_split: int = 0) -> GemmConfig:
+                 pdl: bool = False, red_chunk: int = 0, max_split: int = 0, cluster: bool = False) -> GemmConfig:
     """Config of the Gluon wgmma decode kernel: 64 physical weight rows per program, 128-wide
     K-tiles in a ring of ``stages`` TMA buffers, weight scale words loaded ``sw_ahead`` K-tiles
     ahead, split-K up to ~``waves`` x SMs programs (none when the row tiles alone fill 2.5 waves:
     measured faster on DeepSeek q_b/kv_b), summed by the last program of each row tile
     (``serial_reduce``) or by a second kernel; activations quantized by a kernel before the GEMM,
     or inside it (``fuse_quant``: each program quantizes the K-tiles it reads); at most
-    ``max_split`` splits when given."""
+    ``max_split`` splits when given. ``cluster``: the splits of a row tile run as one thread-block
+    cluster, K-tiles spread evenly over them, and are summed through distributed shared memory;
+    the split is then the largest cluster size (:data:`CLUSTER_SIZES`) up to the one above (no
+    cluster where that is 1)."""
     sms = _num_sms(device)
     tiles = triton.cdiv(n, 64)
     k_tiles = k // 128
     split = 1 if tiles >= 2.5 * sms else max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
     split = min(split, max_split or split)
-    split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
+    if cluster:  # the K-tiles spread evenly over the cluster (none empty)
+        split = max(s for s in (1, *CLUSTER_SIZES) if s <= split)
+        cluster = split > 1
+    else:
+        split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
     # partials loaded per round trip when they are summed: all of them in one trip up to 16
     # (measured: 16 at a time beat 4 by up to x0.27 bf16 on 10-28 splits, 8 beat 16 at 5-8)
     red_chunk = red_chunk or min(16, max(4, triton.next_power_of_2(split)))
     return GemmConfig(64, 16, 128, split_k=split, fuse_quant=fuse_quant, num_warps=4, num_stages=stages,
-                      serial_reduce=serial_reduce, wgmma=True, sw_ahead=sw_ahead, pdl=pdl, red_chunk=red_chunk)
+                      serial_reduce=serial_reduce, wgmma=True, sw_ahead=sw_ahead, pdl=pdl, red_chunk=red_chunk,
+                      cluster=cluster)
 
 
 #: Below this many weight elements the wgmma kernel runs with fewer programs (~2 per SM at
@@ -837,6 +850,9 @@ WGMMA_MID_WEIGHT = 20_000_000
 #: M = 9..16 wherever K is split, except more than this many ways on weights under
 #: :data:`WGMMA_SMALL_WEIGHT`; elsewhere (and at M <= 4) by the last program of each row tile.
 WGMMA_TWO_KERNEL_SPLIT = 8
+#: At M = 9..16, split-K partials go through distributed shared memory (a cluster per row tile)
+#: on weights of at most this many 64-row tiles (:func:`wgmma_rule`).
+WGMMA_CLUSTER_MAX_TILES = 32
 WGMMA_HUGE_WEIGHT = 64_000_000
 
 
@@ -865,11 +881,21 @@ def pdl_enabled(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
-def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | None:
+def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = True) -> GemmConfig | None:
     """The Gluon wgmma kernel's config where it measured fastest on the H200
-    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2, 4, 6 and 8; "Sixth session"), else None.
-    Hopper with Gluon, K % 128 == 0, M <= 16; activations always quantized inside the kernel (scale
-    words two K-tiles ahead); by weight size (elements):
+    (benchmarks/NOTES_gemm.md, "Fifth session", calls 2, 4, 6 and 8; "Sixth session"; "Seventh
+    session"), else None. Hopper with Gluon, K % 128 == 0, M <= 16; activations always quantized
+    inside the kernel (scale words two K-tiles ahead).
+
+    Split-K partials summed through distributed shared memory, the splits of a row tile one
+    thread-block cluster (:func:`wgmma_config` with ``cluster``; seventh session, call 4): at
+    M <= 8 everywhere K is split, with ~3 programs per SM and at most 8 splits, or 16 where 8 would
+    leave a quarter of the SMs without a program (DeepSeek kv_a); at M = 9..16 where the weight has
+    at most :data:`WGMMA_CLUSTER_MAX_TILES` row tiles, with ~2 programs per SM and up to 16 splits
+    (more row tiles: clusters measured slower at 16 columns, Qwen q_proj 8.0-9.5 us vs 7.8); at
+    least two K-tiles per split (Qwen k_proj, 20 K-tiles, M = 16: 8 splits 5.0 us, 16 5.5).
+    Elsewhere (and with ``cluster=False``, the sixth session's rule) the partials go through global
+    memory, by weight size (elements):
 
     ========  ==========================  ================  ================
     M         < 8 M                       8 M .. 20 M       >= 20 M
@@ -896,6 +922,13 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device) -> GemmConfig | Non
     size = n * k
     if (size < WGMMA_SMALL_WEIGHT and m == 1 and not pdl_enabled(device)) or _gluon() is None:
         return None
+    tiles = _cdiv(n, 64)
+    if cluster and (m <= 8 or tiles <= WGMMA_CLUSTER_MAX_TILES):
+        cap = min(16 if m > 8 or tiles * 8 < 0.75 * _num_sms(device) else 8, k // 256)  # >= 2 K-tiles per split
+        cfg = wgmma_config(m, n, k, device, waves=3 if m <= 8 else 2, fuse_quant=True, sw_ahead=2, max_split=cap,
+                           cluster=True)
+        if cfg.cluster:
+            return dataclasses.replace(cfg, pdl=wgmma_pdl(m, cfg.split_k, device))
     if m <= 8:
         waves = 2 if size < WGMMA_SMALL_WEIGHT else 3
     else:
@@ -1261,10 +1294,11 @@ def _launch_wgmma(
         raise LayoutError("the wgmma decode kernel needs Triton's Gluon (triton >= 3.6)")
     xq, xc = (x, None) if cfg.fuse_quant else _quantize_codes(x)
     has_bias = bias is not None
-    partial, serial, ws, lock = _split_k_buffers(out, cfg, _cdiv(weight.shape[0], cfg.block_n))
+    partial, serial, ws, lock = (False, False, None, None) if cfg.cluster else _split_k_buffers(
+        out, cfg, _cdiv(weight.shape[0], cfg.block_n))
     gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
                        split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
-                       red_chunk=cfg.red_chunk, x_words=cfg.x_words)
+                       red_chunk=cfg.red_chunk, x_words=cfg.x_words, cluster=cfg.cluster)
     if partial and not serial:
         _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl)
     return out

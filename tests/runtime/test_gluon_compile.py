@@ -21,7 +21,8 @@ import torch
 gluon_mxfp8 = pytest.importorskip("mxfp8_convert.runtime.gluon_mxfp8")
 
 
-def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool = False, words: bool = False) -> str:
+def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool = False, words: bool = False,
+          cluster: int = 0) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -47,7 +48,9 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
         const = {}
     const.update({"LAYOUT": gluon_mxfp8.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": True, "SERIAL": serial,
                   "FUSE_QUANT": fuse, "BM": bm, "QM": qm or bm, "X_SMEM": x_smem, "STAGES": 2, "SW_AHEAD": 3,
-                  "PDL": pdl, "RED_CHUNK": 4, "X_WORDS": words, "num_warps": 4})
+                  "PDL": pdl, "RED_CHUNK": 4, "X_WORDS": words, "CLUSTER": cluster,
+                  "RED_E": 64 * bm >> (cluster.bit_length() - 1) if cluster else 0,
+                  "num_warps": 4})
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -58,7 +61,7 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
     cubin = kernel.asm["cubin"]
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                        f"mxfp8_gluon_{os.getpid()}_{bm}_{qm}_{layout}_{serial}_{fuse}_{pdl}_{words}.cubin")
+                        f"mxfp8_gluon_{os.getpid()}_{bm}_{qm}_{layout}_{serial}_{fuse}_{pdl}_{words}_{cluster}.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
     try:
@@ -190,3 +193,28 @@ def test_launch_helpers_match_triton():
     for rows in (8, 16, gluon_mxfp8.BLOCK_N):
         expect = gl.NVMMASharedLayout.get_default_for([rows, gluon_mxfp8.BLOCK_K], gl.float8e4nv)
         assert gluon_mxfp8._smem_layout(rows) == expect and gluon_mxfp8._smem_layout(rows) is gluon_mxfp8._smem_layout(rows)
+
+
+@pytest.mark.parametrize("bm,cluster", [(16, 8), (16, 16), (8, 3)])
+def test_cluster_reduction_goes_through_distributed_shared_memory(bm, cluster):
+    """With the splits of a row tile as one cluster (``CLUSTER``), the partials meet in shared
+    memory, not in global memory: two cluster-wide barriers (the partials are stored; they were
+    read), between them each thread's loads of its share from the cluster's ``CLUSTER`` programs
+    (generic loads of the distributed shared window: ``RED_E`` elements over 128 threads, at
+    least one each), no global atomics (no arrival counters) and no more registers than the
+    kernel without clusters (the peak bounds how many programs share an SM)."""
+    sass = _sass(bm, "trtllm", False, True, bm, pdl=True, words=True, cluster=cluster)
+    plain = _sass(bm, "trtllm", False, True, bm, pdl=True, words=True)
+    ins = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", sass, re.M)
+    arrive = [i for i, t in enumerate(ins) if t.startswith("UCGABAR_ARV")]
+    wait = [i for i, t in enumerate(ins) if t.startswith("UCGABAR_WAIT")]
+    assert len(arrive) == len(wait) == 2 and arrive[0] < wait[0] < arrive[1] < wait[1]
+    red_e = 64 * bm >> (cluster.bit_length() - 1)
+    assert sum(re.search(r"\bLD\.E", t) is not None for t in ins[wait[0]:arrive[1]]) == cluster * max(red_e // 128, 1)
+    assert not re.search(r"\b(ATOMG|ATOM|RED|STL|LDL)\b", sass)
+    assert not re.search(r"\bLD\.E", plain)
+
+    def regs(s):  # registers per thread, allocated in groups of 8
+        return -(-(max(int(r) for r in re.findall(r"\bR(\d+)\b", s)) + 1) // 8)
+
+    assert regs(sass) <= regs(plain)

@@ -184,11 +184,90 @@ def test_wgmma_configs_agree(layout, n, m):
                                  sw_ahead=ahead, pdl=pdl) for fuse in (True, False)]
         cfgs.append(dataclasses.replace(cfgs[0], x_words=False))  # bf16 loaded element by element
         outs = [_check_twice(tri, x, w, bias, ref, cfg) for cfg in cfgs]
-        assert torch.equal(outs[0], outs[1]) and torch.equal(outs[0], outs[2]), (stages, waves, serial, ahead, pdl)
+        assert all(torch.equal(outs[0], o) for o in outs[1:]), (stages, waves, serial, ahead, pdl)
+    # the splits as one cluster, summed through DSMEM: the bits of the serial reduction where the
+    # K-tiles split the same way (56 = 8 x 7), within 1e-2 of the reference for 16 uneven splits
+    serial8 = _check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True,
+                                                                  max_split=8))
+    cl8 = tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True, max_split=8, cluster=True, pdl=True)
+    assert cl8.cluster and cl8.split_k == 8
+    assert torch.equal(_check_twice(tri, x, w, bias, ref, cl8), serial8)
+    cl16 = tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True, max_split=16, cluster=True)
+    assert cl16.cluster and cl16.split_k == 16
+    _check_twice(tri, x, w, bias, ref, cl16)
     # partials loaded 4, 8 or 16 (the default here: 28 splits) per round trip: the same sums
     chunked = [_check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True,
                                                                    red_chunk=chunk)) for chunk in (0, 4, 8)]
     assert torch.equal(chunked[0], chunked[1]) and torch.equal(chunked[0], chunked[2])
+
+
+def test_wgmma_cluster_launch_and_its_fallback():
+    """A cluster config's kernel is launched as clusters of its split (Triton compiles it for one
+    CTA; ``gluon_mxfp8`` makes its launcher ask for the clusters), and the same kernel launched
+    without clusters computes the whole K in each program: the right result either way, and in
+    fp32 (written by the kernel itself) not the same bits, which shows the clusters were real."""
+    tri = _triton()
+    gluon = tri._gluon()
+    if gluon is None:
+        pytest.skip("Triton's Gluon is not installed")
+    m, n, k = 4, 1024, 4096
+    w, q, code = random_weight(n, k, "cutlass", seed=43)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+
+    def run():
+        out = torch.full((m, n), float("nan"), device="cuda")
+        gluon.wgmma_decode(x, w, None, out, None, None, split_k=8, sw_ahead=2, cluster=True)
+        assert rel_err(out, ref) <= 1e-2
+        return out
+
+    clustered = run()
+    assert torch.equal(run(), clustered)
+    index = gluon._wgmma_decode_kernel.arg_names.index("CLUSTER")
+    compiled = [kern for cache in gluon._wgmma_decode_kernel.device_caches.values() for kern in cache[0].values()
+                if kern.src.constants.get((index,)) == 8]
+    assert compiled and all(kern.packed_metadata[1] == 8 for kern in compiled)
+    for kern in compiled:  # as if the launcher were not told
+        kern.packed_metadata = (kern.packed_metadata[0], 1, *kern.packed_metadata[2:])
+    try:
+        alone = run()
+    finally:
+        for kern in compiled:
+            gluon._launch_as_clusters(kern, 8)
+    # one program summing all 32 K-tiles, not 8 partials of 4: other fp32 sums
+    assert not torch.equal(alone, clustered)
+
+
+@pytest.mark.parametrize("m", [1, 8, 16])
+def test_wgmma_pdl_chain_reads_each_previous_output(m):
+    """Programmatic dependent launch: in a chain of GEMMs, each feeding the next (directly, or through a torch kernel between them), queued
+    without a synchronization, every kernel reads the finished output of the one before: the
+    chain's outputs equal, bit for bit, those of the same chain synchronized after each kernel."""
+    tri = _triton()
+    dev = torch.device("cuda")
+    if tri._gluon() is None or not tri.pdl_enabled(dev):
+        pytest.skip("needs Triton's Gluon and programmatic dependent launch")
+    dims = (7168, 1536, 4096, 1024, 2048)  # K of each GEMM, then its N = the next one's K
+    ws = [random_weight(n, k, "trtllm", seed=41 + i)[0] for i, (k, n) in enumerate(zip(dims, dims[1:], strict=False))]
+    cfgs = [tri.choose_config(m, w.shape[0], w.shape[1], dev) for w in ws]
+    assert all(c.wgmma and c.pdl and c.split_k > 1 for c in cfgs)
+    xs = [torch.randn(m, dims[0], device="cuda", dtype=torch.bfloat16) for _ in range(6)]
+
+    def chain(x, sync, between):
+        for w, cfg in zip(ws, cfgs, strict=True):
+            x = tri.triton_linear(x, w, config=cfg)
+            if between:  # a torch kernel (no PDL) writes the next GEMM's input
+                x = x / x.abs().amax()
+            if sync:
+                torch.cuda.synchronize()
+        return x
+
+    for between in (False, True):
+        expected = [chain(x, True, between) for x in xs]
+        got = [chain(x, False, between) for x in xs]
+        torch.cuda.synchronize()
+        for e, g in zip(expected, got, strict=True):
+            assert e.isfinite().all() and torch.equal(e, g), between
 
 
 @pytest.mark.parametrize("m", [2, 5])
@@ -296,12 +375,13 @@ def test_wgmma_is_the_rule_where_measured_faster():
     for m in (1, 2, 8, 16):
         cfg = tri.choose_config(m, 18432, 7168, dev)
         assert cfg.wgmma and cfg.fuse_quant and cfg.sw_ahead == 2 and cfg.pdl == pdl
-    # 16.8 M elements, 7 splits: the last program sums the partials at M = 4, a second kernel at M = 8
-    assert tri.choose_config(4, 4096, 4096, dev).serial_reduce and not tri.choose_config(8, 4096, 4096, dev).serial_reduce
-    # M = 16: a second kernel sums 8 partials of a 4.2 M weight, the last program 14 of a 4.1 M one
-    assert tri.choose_config(16, 1024, 4096, dev).wgmma and not tri.choose_config(16, 1024, 4096, dev).serial_reduce
-    assert tri.choose_config(16, 576, 7168, dev).serial_reduce
-    assert tri.choose_config(2, 576, 7168, dev).red_chunk == 16  # DeepSeek kv_a: 28 partials, 16 per trip
+    # M <= 8: the splits of a row tile as one cluster (7 of a 16.8 M weight, 16 of DeepSeek kv_a's)
+    assert tri.choose_config(4, 4096, 4096, dev).cluster and tri.choose_config(8, 4096, 4096, dev).split_k == 7
+    assert tri.choose_config(2, 576, 7168, dev).cluster and tri.choose_config(2, 576, 7168, dev).split_k == 16
+    # M = 16: clusters on up to 32 row tiles, else a second kernel sums the partials
+    assert tri.choose_config(16, 1024, 4096, dev).cluster and tri.choose_config(16, 576, 7168, dev).cluster
+    cfg = tri.choose_config(16, 4096, 4096, dev)
+    assert cfg.wgmma and not cfg.cluster and cfg.split_k > 1 and not cfg.serial_reduce
     assert not tri.choose_config(16, 24576, 1536, dev).pdl  # K unsplit at M > 8
     assert not tri.choose_config(17, 18432, 7168, dev).wgmma
     w, q, code = random_weight(4096, 4096, "canonical", seed=2)  # no 128x4 scale words: falls back

@@ -236,9 +236,13 @@ def test_wgmma_rule_table(monkeypatch):
     monkeypatch.setattr(tri, "_driver_cuda_version", lambda: (12, 8))
     dev = torch.device("cuda")
 
-    def rule(m, n, k):
-        cfg = tri.wgmma_rule(m, n, k, dev)
+    def rule(m, n, k):  # the partials through global memory (the rule where no cluster is used)
+        cfg = tri.wgmma_rule(m, n, k, dev, cluster=False)
         return None if cfg is None else (cfg.fuse_quant, cfg.sw_ahead, cfg.split_k, cfg.serial_reduce, cfg.pdl)
+
+    def cluster(m, n, k):
+        cfg = tri.wgmma_rule(m, n, k, dev)
+        return cfg.cluster, cfg.split_k, cfg.pdl, cfg.fuse_quant, cfg.sw_ahead
 
     def expect(m, n, k, waves, serial=True, pdl=True):
         return (True, 2, tri.wgmma_config(m, n, k, dev, waves=waves).split_k, serial, pdl)
@@ -264,14 +268,27 @@ def test_wgmma_rule_table(monkeypatch):
     assert rule(16, *large) == expect(16, *large, 3, pdl=False)  # K unsplit at M > 8: no PDL
     assert expect(16, *large, 3)[2] == 1
     assert rule(17, *large) is None and rule(4, 4096, 4000) is None  # M > 16; K not a multiple of 128
+    # the splits of a row tile as one cluster: at M <= 8 wherever K is split, ~3 programs per SM,
+    # at most 8 splits, 16 where 8 x the row tiles leave a quarter of the SMs idle (kv_a: 9 tiles)
+    for m in (1, 2, 5, 8):
+        assert cluster(m, *mid) == (True, 7, True, True, 2)  # 64 row tiles: 396 / 64 -> 7
+        assert cluster(m, *small) == (True, 8, True, True, 2)  # 16 row tiles: 25 -> 8
+        assert cluster(m, 576, 7168)[:2] == (True, 16) and cluster(m, *huge)[:2] == (True, 2)
+        assert tri.wgmma_rule(m, *large, dev) == tri.wgmma_rule(m, *large, dev, cluster=False)  # K unsplit
+    # at M = 9..16 on weights of up to 32 row tiles, ~2 programs per SM, up to 16 splits
+    assert cluster(16, *small)[:2] == (True, 16) and cluster(9, 576, 7168)[:2] == (True, 16)
+    assert cluster(16, 1536, 7168)[:2] == (True, 8) and cluster(16, 2048, 7168)[:2] == (True, 8)  # 24, 32 tiles
+    assert cluster(16, 1024, 2560)[:2] == (True, 8)  # Qwen k_proj: 20 K-tiles, at least 2 per split
+    for shape in ((2560, 4096), mid, qwen_q, huge):  # 40 row tiles and more: through global memory
+        assert tri.wgmma_rule(16, *shape, dev) == tri.wgmma_rule(16, *shape, dev, cluster=False)
     assert expect(4, *mid, 2) != expect(4, *mid, 3)  # the waves are told apart
     # partials loaded per round trip: all of them up to 16 (at least 4)
-    chunks = {tri.wgmma_rule(m, *shape, dev).split_k: tri.wgmma_rule(m, *shape, dev).red_chunk
+    chunks = {tri.wgmma_rule(m, *shape, dev, cluster=False).split_k: tri.wgmma_rule(m, *shape, dev, cluster=False).red_chunk
               for m, shape in ((4, small), (8, mid), (4, huge), (16, small), (16, large))}
     assert chunks == {16: 16, 7: 8, 2: 4, 8: 8, 1: 4}, chunks
     assert tri.wgmma_config(2, 576, 7168, dev, waves=2).split_k == 28 and tri.wgmma_config(2, 576, 7168, dev).red_chunk == 16
     # from M = 4 at most 16 splits (DeepSeek kv_a, 56 K-tiles: 14), below as many as the waves give
-    assert [tri.wgmma_rule(m, 576, 7168, dev).split_k for m in (2, 3, 4, 8)] == [28, 28, 14, 14]
+    assert [tri.wgmma_rule(m, 576, 7168, dev, cluster=False).split_k for m in (2, 3, 4, 8)] == [28, 28, 14, 14]
     monkeypatch.setenv("MXFP8_PDL", "0")  # without PDL: the same configs unlaunched as dependents, GEMV at M = 1
     assert rule(4, *mid) == expect(4, *mid, 3, pdl=False) and rule(1, *small) is None
     monkeypatch.delenv("MXFP8_PDL")
