@@ -26,6 +26,17 @@ With ``PDL`` (programmatic dependent launch) the kernel first waits for the prev
 the stream (``griddepcontrol.wait``, before any memory access, so it never reads an unfinished
 input) and then lets the next one launch: launch latency is hidden behind the neighbours' tails.
 
+Split-K partials are summed by the last program of each row tile to arrive (through global
+memory, an arrival counter per tile), by a second kernel, or, with ``CLUSTER``, inside a
+thread-block cluster made of the tile's splits: each program leaves its fp32 partial at the start
+of its own shared memory (the TMA ring, no longer in use), and after a cluster barrier sums a
+share of the tile's elements over the cluster's shared memory (``mapa`` + ``ld.shared::cluster``)
+in split order, the order of the other two, then stores that share. Triton compiles the kernel
+for one CTA, so the Gluon layouts are unchanged; its launcher is asked for the clusters through
+the compiled kernel's packed metadata (``_launch_as_clusters``). The kernel reads its rank and
+the cluster's size from the special registers, so a launch without clusters still gives the
+right result (each program then runs all of K).
+
 Numerics are those of the decode kernel: ``part = Wq[rows, b] @ Xq[:, b]^T`` on e4m3 operands
 (exact products, fp32 sums), ``acc += part * 2^(cw-127) * 2^(cx-127)``.
 
