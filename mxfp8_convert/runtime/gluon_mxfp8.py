@@ -432,8 +432,8 @@ def wgmma_decode(
     ``[split_k, M, N]`` and are summed by the last program of each row tile to arrive when
     ``lock`` (zeroed int32 arrival counters, one per row tile) is given, else by the caller;
     with ``cluster`` (``split_k`` in ``CLUSTER_SIZES``) the splits of a row tile run as one
-    thread-block cluster and the first sums the others' partials from their shared memory (no
-    ``ws`` or ``lock``).
+    thread-block cluster and sum their partials through its shared memory, each program a share
+    of the tile (no ``ws`` or ``lock``).
 
     ``stages`` TMA buffers in the ring; the weight scale words are loaded ``sw_ahead`` (1..3)
     K-tiles ahead. ``pdl``: launched as a programmatic dependent of the previous kernel in the
@@ -485,7 +485,7 @@ def wgmma_decode(
         RED_E=BLOCK_N * bm >> (split_k.bit_length() - 1) if cluster else 0, num_warps=4,
         **({"launch_pdl": True} if pdl else {}),
     )
-    if cluster:  # compiled before the wrapper below was in place: clusters from the next launch on
+    if cluster:  # where the wrapper below did not see the compilation (another Triton): from the next launch on
         _launch_as_clusters(compiled, split_k)
 
 
@@ -495,8 +495,8 @@ def _launch_as_clusters(compiled, size: int) -> None:
     shared)``, and multiplies the first grid dimension by it). The kernel is compiled for one
     CTA per cluster, as Gluon layouts are written here; it reads its rank and the cluster size
     from the special registers, so launched without clusters it computes the whole K itself."""
-    meta = compiled.packed_metadata
-    if meta[1] != size:
+    meta = getattr(compiled, "packed_metadata", None)
+    if meta is not None and meta[1] != size:
         compiled.packed_metadata = (meta[0], size, *meta[2:])
 
 
@@ -509,7 +509,7 @@ def _compile_for_clusters(do_compile):
     def wrapped(key, signature, device, constexprs, *args, **kwargs):
         kernel = do_compile(key, signature, device, constexprs, *args, **kwargs)
         size = constexprs.get((index,), 0) if isinstance(constexprs, dict) else 0
-        if size and size > 1 and hasattr(kernel, "packed_metadata"):
+        if size > 1:
             _launch_as_clusters(kernel, size)
         return kernel
 

@@ -218,3 +218,35 @@ def test_cluster_reduction_goes_through_distributed_shared_memory(bm, cluster):
         return -(-(max(int(r) for r in re.findall(r"\bR(\d+)\b", s)) + 1) // 8)
 
     assert regs(sass) <= regs(plain)
+
+
+def test_cluster_kernels_launch_as_clusters_from_their_first_launch():
+    """Triton compiles the kernel for one CTA; a ``CLUSTER > 1`` kernel is made to launch as
+    clusters by the wrapper around its ``JITFunction._do_compile``, which sets the cluster size
+    in the packed metadata that Triton's launcher reads (``(num_warps, num_ctas, shared)``, the
+    launcher multiplying the first grid dimension by ``num_ctas``). Checked here against the
+    installed Triton's own signatures, so an upgrade that moves them fails in CI, not on a GPU."""
+    import inspect
+    from types import SimpleNamespace
+
+    from triton.backends.nvidia.compiler import CUDABackend
+    from triton.runtime.jit import JITFunction
+
+    assert list(inspect.signature(JITFunction._do_compile).parameters)[:5] == [
+        "self", "key", "signature", "device", "constexprs"]
+    meta = SimpleNamespace(num_warps=4, num_ctas=1, shared=21504)
+    assert CUDABackend.pack_metadata(None, meta) == (4, 1, 21504)
+    kernel = gluon_mxfp8._wgmma_decode_kernel
+    assert kernel._do_compile.__wrapped__ is not None  # the wrapper is in place
+    index = kernel.arg_names.index("CLUSTER")
+
+    def compile_(key, signature, device, constexprs, options, attrs, warmup):
+        return SimpleNamespace(packed_metadata=(4, 1, 21504))
+
+    wrapped = gluon_mxfp8._compile_for_clusters(compile_)
+    assert wrapped("k", {}, 0, {(index,): 8}, None, None, False).packed_metadata == (4, 8, 21504)
+    assert wrapped("k", {}, 0, {(index,): 16}, None, None, True).packed_metadata == (4, 16, 21504)
+    assert wrapped("k", {}, 0, {(index,): 0}, None, None, False).packed_metadata == (4, 1, 21504)
+    launched = SimpleNamespace(packed_metadata=(4, 1, 21504))
+    gluon_mxfp8._launch_as_clusters(launched, 5)  # after a launch the wrapper did not see
+    assert launched.packed_metadata == (4, 5, 21504)
