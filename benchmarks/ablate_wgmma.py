@@ -4,7 +4,9 @@ side with the rule in the same CUDA-graph harness as ``bench_gemm.py`` (H200 onl
     python benchmarks/ablate_wgmma.py [--ms 8,16] [--shapes NAME,..] [--out DIR]
 
 Each variant is ``gluon_mxfp8._wgmma_decode_kernel`` (fused quantization, bf16 words, the rule's
-grid, ring and reduction) with some of these removed; the outputs of the ablated variants are
+grid, ring and reduction through global memory) with some of these removed: a copy of its body as
+of the seventh session (the shipped kernel carries no ablation switches; ``abl.full``, timed next
+to the rule, shows whether the copy still matches it). The outputs of the ablated variants are
 wrong by construction, only their times mean something:
 
 - ``x:const``: the activations are not loaded (the quantization runs on a constant tile);
