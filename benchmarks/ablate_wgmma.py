@@ -199,7 +199,7 @@ VARIANTS = {  # name: (x_mode, mma, red)
 
 
 def _row(name: str, m: int, n: int, k: int, cfg, ws: list, wbfs: list) -> dict:
-    """bf16, the rule and every variant at one (shape, M), in one run."""
+    """bf16, the kernel with ``cfg`` and every variant at one (shape, M), in one run."""
     from mxfp8_convert.runtime.triton_mxfp8 import triton_linear
 
     c, c_bf = len(ws), len(wbfs)
@@ -218,7 +218,7 @@ def _row(name: str, m: int, n: int, k: int, cfg, ws: list, wbfs: list) -> dict:
 
 
 def main() -> None:
-    from mxfp8_convert.runtime.triton_mxfp8 import choose_config
+    from mxfp8_convert.runtime.triton_mxfp8 import wgmma_rule
 
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--ms", default="8,16")
@@ -237,8 +237,8 @@ def main() -> None:
         ws = [w] + [MXFP8Weight(w.data.clone(), w.scale.clone(), "trtllm") for _ in range(c - 1)]
         wbfs = [wbf] + [wbf.clone() for _ in range(c_bf - 1)]
         for m in (int(v) for v in args.ms.split(",")):
-            cfg = choose_config(m, n, k, dev)
-            if cfg.wgmma:
+            cfg = wgmma_rule(m, n, k, dev, cluster=False)  # the copy sums partials through global memory
+            if cfg is not None:
                 rows.append(_row(name, m, n, k, cfg, ws, wbfs))
         del ws, wbfs
         torch.cuda.empty_cache()
