@@ -1,10 +1,11 @@
 """Where the Gluon wgmma decode kernel's time goes: the kernel with parts taken out, timed side by
-side with the rule in the same CUDA-graph harness as ``bench_gemm.py`` (H200 only).
+side with the kernel itself (``wgmma_rule(cluster=False)``: the partials through global memory) in
+the same CUDA-graph harness as ``bench_gemm.py`` (H200 only).
 
     python benchmarks/ablate_wgmma.py [--ms 8,16] [--shapes NAME,..] [--out DIR]
 
-Each variant is ``gluon_mxfp8._wgmma_decode_kernel`` (fused quantization, bf16 words, the rule's
-grid, ring and reduction through global memory) with some of these removed: a copy of its body as
+Each variant is ``gluon_mxfp8._wgmma_decode_kernel`` (fused quantization, bf16 words, that
+rule's grid, ring and reduction) with some of these removed: a copy of its body as
 of the seventh session (the shipped kernel carries no ablation switches; ``abl.full``, timed next
 to the rule, shows whether the copy still matches it). The outputs of the ablated variants are
 wrong by construction, only their times mean something:
