@@ -893,7 +893,8 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     leave a quarter of the SMs without a program (DeepSeek kv_a); at M = 9..16 where the weight has
     at most :data:`WGMMA_CLUSTER_MAX_TILES` row tiles, with ~2 programs per SM and up to 16 splits
     (more row tiles: clusters measured slower at 16 columns, Qwen q_proj 8.0-9.5 us vs 7.8); at
-    least two K-tiles per split (Qwen k_proj, 20 K-tiles, M = 16: 8 splits 5.0 us, 16 5.5).
+    least two K-tiles per split (Qwen k_proj, 20 K-tiles, M = 16: 8 splits 5.0 us, 16 5.5). Not on
+    a device that refused a clustered launch (:data:`_CLUSTERS_REFUSED`).
     Elsewhere (and with ``cluster=False``, the sixth session's rule) the partials go through global
     memory, by weight size (elements):
 
@@ -923,7 +924,7 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     if (size < WGMMA_SMALL_WEIGHT and m == 1 and not pdl_enabled(device)) or _gluon() is None:
         return None
     tiles = _cdiv(n, 64)
-    if cluster and (m <= 8 or tiles <= WGMMA_CLUSTER_MAX_TILES):
+    if cluster and (m <= 8 or tiles <= WGMMA_CLUSTER_MAX_TILES) and _device_index(device) not in _CLUSTERS_REFUSED:
         cap = min(16 if m > 8 or tiles * 8 < 0.75 * _num_sms(device) else 8, k // 256)  # >= 2 K-tiles per split
         cfg = wgmma_config(m, n, k, device, waves=3 if m <= 8 else 2, fuse_quant=True, sw_ahead=2, max_split=cap,
                            cluster=True)
@@ -941,6 +942,19 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     else:  # 16-column partials: summed by a second kernel, but for many splits of a small weight
         two_kernel = cfg.split_k > 1 and (size >= WGMMA_SMALL_WEIGHT or cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT)
     return dataclasses.replace(cfg, serial_reduce=not two_kernel, pdl=wgmma_pdl(m, cfg.split_k, device))
+
+
+#: Devices (by index) on which the GPU refused a clustered launch of the wgmma kernel (a cluster
+#: of that size did not fit: a partitioned or smaller Hopper): their split-K partials go through
+#: global memory from then on (:func:`_launch_wgmma`).
+_CLUSTERS_REFUSED: set[int] = set()
+
+
+def _device_index(device: torch.device) -> int:
+    """The CUDA device's index (the current device for ``torch.device("cuda")``)."""
+    if device.index is not None:
+        return device.index
+    return torch.cuda.current_device() if torch.cuda.is_available() else 0
 
 
 def wgmma_pdl(m: int, split_k: int, device: torch.device) -> bool:
@@ -1288,7 +1302,9 @@ def _launch_wgmma(
 ) -> torch.Tensor:
     """Activation quantization (unless the kernel does it: bf16, fp16 or fp32 activations, the
     same bits as the quantization kernel's), the Gluon wgmma decode kernel, and the split-K
-    reduction (unless serial)."""
+    reduction (unless serial or through a cluster's shared memory). Where the GPU refuses a
+    clustered launch (its error names the cluster), the call runs with the partials summed by the
+    last program instead, and so does every later call on that device (:data:`_CLUSTERS_REFUSED`)."""
     gluon = _gluon()
     if gluon is None:
         raise LayoutError("the wgmma decode kernel needs Triton's Gluon (triton >= 3.6)")
@@ -1296,9 +1312,19 @@ def _launch_wgmma(
     has_bias = bias is not None
     partial, serial, ws, lock = (False, False, None, None) if cfg.cluster else _split_k_buffers(
         out, cfg, _cdiv(weight.shape[0], cfg.block_n))
-    gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
-                       split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
-                       red_chunk=cfg.red_chunk, x_words=cfg.x_words, cluster=cfg.cluster)
+    try:
+        gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
+                           split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
+                           red_chunk=cfg.red_chunk, x_words=cfg.x_words, cluster=cfg.cluster)
+    except RuntimeError as err:
+        if not cfg.cluster or "cluster" not in str(err).lower():
+            raise
+        _CLUSTERS_REFUSED.add(_device_index(x.device))
+        default_config.cache_clear()  # the memoized rule chose clusters
+        k_tiles = x.shape[1] // 128
+        split = _cdiv(k_tiles, _cdiv(k_tiles, cfg.split_k))  # the global-memory kernel's splits: none empty
+        return _launch_wgmma(x, weight, bias, out, dataclasses.replace(cfg, cluster=False, split_k=split,
+                                                                       serial_reduce=True))
     if partial and not serial:
         _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl)
     return out

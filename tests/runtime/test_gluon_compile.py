@@ -250,3 +250,45 @@ def test_cluster_kernels_launch_as_clusters_from_their_first_launch():
     launched = SimpleNamespace(packed_metadata=(4, 1, 21504))
     gluon_mxfp8._launch_as_clusters(launched, 5)  # after a launch the wrapper did not see
     assert launched.packed_metadata == (4, 5, 21504)
+
+
+def test_a_refused_cluster_launch_falls_back_to_global_memory(monkeypatch):
+    """Where the GPU refuses a clustered launch (CUDA's error 912, "cluster misconfiguration",
+    which Triton's launcher raises), the call runs again with the partials summed by the last
+    program, split so that no split is empty, and the device's rule chooses no clusters from then
+    on; any other launch error is raised as it is."""
+    import mxfp8_convert.runtime.triton_mxfp8 as tri
+    from mxfp8_convert.runtime import MXFP8Weight, quantize_mxfp8
+
+    calls = []
+    error = ["Triton Error [CUDA]: cluster misconfiguration"]
+
+    class FakeGluon:
+        @staticmethod
+        def wgmma_decode(x, weight, bias, out, ws, lock, *, split_k, cluster, **kwargs):
+            calls.append((split_k, cluster, ws is not None, lock is not None))
+            if cluster:
+                raise RuntimeError(error[0])
+
+    monkeypatch.setattr(tri, "_gluon", lambda: FakeGluon)
+    monkeypatch.setattr(tri, "_CLUSTERS_REFUSED", set())
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
+    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    dev = torch.device("cuda")
+    assert tri.wgmma_rule(2, 576, 7168, dev).cluster  # DeepSeek kv_a: 16 splits as one cluster
+    q, code = quantize_mxfp8(torch.randn(576, 7168))
+    w = MXFP8Weight.from_canonical(q, code, "trtllm")
+    x = torch.randn(2, 7168).bfloat16()
+    out = torch.empty(2, 576, dtype=torch.bfloat16)
+    cfg = tri.GemmConfig(64, 16, 128, split_k=16, wgmma=True, sw_ahead=2, cluster=True)
+    error[0] = "Triton Error [CUDA]: out of memory"
+    with pytest.raises(RuntimeError, match="out of memory"):
+        tri._launch_wgmma(x, w, None, out, cfg)
+    assert not tri._CLUSTERS_REFUSED
+    error[0] = "Triton Error [CUDA]: cluster misconfiguration"
+    calls.clear()
+    tri._launch_wgmma(x, w, None, out, cfg)
+    # 56 K-tiles: 16 clustered splits, then 14 of 4 K-tiles each, last-program reduction
+    assert calls == [(16, True, False, False), (14, False, True, True)]
+    assert tri._CLUSTERS_REFUSED == {0}
+    assert not tri.wgmma_rule(2, 576, 7168, dev).cluster

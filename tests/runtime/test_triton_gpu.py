@@ -192,6 +192,8 @@ def test_wgmma_configs_agree(layout, n, m):
     cl8 = tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True, max_split=8, cluster=True, pdl=True)
     assert cl8.cluster and cl8.split_k == 8
     assert torch.equal(_check_twice(tri, x, w, bias, ref, cl8), serial8)
+    # activations quantized by the kernel before (read by TMA): the same bits
+    assert torch.equal(_check_twice(tri, x, w, bias, ref, dataclasses.replace(cl8, fuse_quant=False)), serial8)
     cl16 = tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True, max_split=16, cluster=True)
     assert cl16.cluster and cl16.split_k == 16
     _check_twice(tri, x, w, bias, ref, cl16)
