@@ -26,30 +26,36 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 
 #: (name, M, N, K, GemmConfig fields): the wgmma decode kernel with the last-program and with
-#: the second-kernel reduction, as the rule picks them at M = 16 (Llama q_proj / k_proj shapes).
+#: the second-kernel reduction, as the rule picks them at M = 16 (Llama q_proj / k_proj shapes),
+#: and with the splits as one cluster, as it picks them at M <= 8 (a tree without clusters skips it).
 CASES = (
     ("wgmma M=16 s5 serial", 16, 4096, 4096, dict(split_k=5, serial_reduce=True)),
     ("wgmma M=16 s8 2-kernel", 16, 1024, 4096, dict(split_k=8, serial_reduce=False)),
     ("wgmma M=4 s16 serial", 4, 1024, 4096, dict(split_k=16, serial_reduce=True)),
+    ("wgmma M=8 cluster 7", 8, 4096, 4096, dict(split_k=7, cluster=True)),
 )
 
 
 def worker(calls: int) -> dict:
     """Median microseconds per call of each case, in this process's ``mxfp8_convert``."""
+    from types import SimpleNamespace
+
     import torch
 
     import mxfp8_convert.runtime.gluon_mxfp8 as gluon_mxfp8
     import mxfp8_convert.runtime.triton_mxfp8 as tri
     from mxfp8_convert.runtime import MXFP8Weight, quantize_mxfp8
 
-    class NoLaunch:
+    class NoLaunch:  # returns what a launch returns: the compiled kernel, here its launch metadata only
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: None
+            return lambda *args, **kwargs: SimpleNamespace(packed_metadata=(4, kwargs.get("CLUSTER") or 1, 0))
 
     gluon_mxfp8._wgmma_decode_kernel = NoLaunch()
     tri._splitk_reduce_kernel = NoLaunch()
     out = {}
     for name, m, n, k, fields in CASES:
+        if not set(fields) <= set(tri.GemmConfig.__slots__):
+            continue
         q, code = quantize_mxfp8(torch.randn(n, k))
         w = MXFP8Weight.from_canonical(q, code, "trtllm")
         x = torch.randn(m, k).bfloat16()
@@ -100,9 +106,9 @@ def main() -> None:
     labels = list(trees)
     print(f"{'case':28s} " + " ".join(f"{lab:>22s}" for lab in labels) + ("   ratio" if len(labels) == 2 else ""))
     for name, *_ in CASES:
-        med = [statistics.median(r[name] for r in runs[lab]) for lab in labels]
-        ratio = f"   x{med[0] / med[1]:.2f}" if len(med) == 2 else ""
-        print(f"{name:28s} " + " ".join(f"{v:22.1f}" for v in med) + ratio)
+        med = [statistics.median(r[name] for r in runs[lab]) if name in runs[lab][0] else None for lab in labels]
+        ratio = f"   x{med[0] / med[1]:.2f}" if len(med) == 2 and None not in med else ""
+        print(f"{name:28s} " + " ".join(f"{v:22.1f}" if v is not None else f"{'-':>22s}" for v in med) + ratio)
 
 
 if __name__ == "__main__":
