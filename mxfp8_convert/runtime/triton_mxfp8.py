@@ -729,6 +729,12 @@ def _fit_block_k(k: int, want: int) -> int:
     return bk
 
 
+def _no_empty_splits(k_tiles: int, split: int) -> int:
+    """The split-K count the kernels that give each split ``cdiv(k_tiles, split)`` K-tiles really
+    use: at most ``split``, none of the splits empty."""
+    return _cdiv(k_tiles, _cdiv(k_tiles, split))
+
+
 #: Programs per thread-block cluster the wgmma kernel's launch accepts (``wgmma_config(cluster=True)``):
 #: up to 8 (portable), and 16, which Triton's launcher allows as non-portable (Hopper, Blackwell)
 CLUSTER_SIZES = (2, 3, 4, 5, 6, 7, 8, 16)
@@ -771,7 +777,7 @@ def decode_config(m: int, n: int, k: int, device: torch.device, *, block_n: int 
     tiles = triton.cdiv(n, block_n)
     k_tiles = k // bk
     split = max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
-    split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
+    split = _no_empty_splits(k_tiles, split)
     return GemmConfig(block_n, DECODE_BLOCK_M, bk, split_k=split, fuse_quant=fuse_quant, num_warps=num_warps,
                       num_stages=num_stages, serial_reduce=serial_reduce, decode=True)
 
@@ -792,7 +798,7 @@ def gemv_config(m: int, n: int, k: int, device: torch.device, *, block_n: int = 
     tiles = triton.cdiv(n, block_n)
     k_tiles = k // bk
     split = max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
-    split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
+    split = _no_empty_splits(k_tiles, split)
     return GemmConfig(block_n, triton.next_power_of_2(max(m, 1)), bk, split_k=split, fuse_quant=fuse_quant,
                       num_warps=num_warps, num_stages=1, serial_reduce=serial_reduce, gemv=True, words=words)
 
@@ -830,7 +836,7 @@ def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 
         split = max(s for s in (1, *CLUSTER_SIZES) if s <= split)
         cluster = split > 1
     else:
-        split = triton.cdiv(k_tiles, triton.cdiv(k_tiles, split))  # no empty splits
+        split = _no_empty_splits(k_tiles, split)
     # partials loaded per round trip when they are summed: all of them in one trip up to 16
     # (measured: 16 at a time beat 4 by up to x0.27 bf16 on 10-28 splits, 8 beat 16 at 5-8)
     red_chunk = red_chunk or min(16, max(4, triton.next_power_of_2(split)))
@@ -1321,8 +1327,7 @@ def _launch_wgmma(
             raise
         _CLUSTERS_REFUSED.add(_device_index(x.device))
         default_config.cache_clear()  # the memoized rule chose clusters
-        k_tiles = x.shape[1] // 128
-        split = _cdiv(k_tiles, _cdiv(k_tiles, cfg.split_k))  # the global-memory kernel's splits: none empty
+        split = _no_empty_splits(x.shape[1] // 128, cfg.split_k)  # the global-memory kernel's splits
         return _launch_wgmma(x, weight, bias, out, dataclasses.replace(cfg, cluster=False, split_k=split,
                                                                        serial_reduce=True))
     if partial and not serial:
