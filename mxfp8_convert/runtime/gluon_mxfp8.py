@@ -219,7 +219,9 @@ def _wgmma_decode_kernel(
     if PDL:  # before any access to memory
         _gdc_wait_and_release()
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1], instr_shape=[16, BM, 32])
+    # one warpgroup per 64 weight rows (BN = 64, or 128: two warpgroups sharing each activation tile)
+    acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
+                                                    instr_shape=[16, BM, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
     col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
 
@@ -265,7 +267,9 @@ def _wgmma_decode_kernel(
     if FUSE_QUANT:
         # [QM, 4, 32], QM = M rounded up to a power of two: warp j quantizes 32-block j, a row's
         # block spans 32 / QM threads of QM elements each (x4_l adds the zero rows QM..BM-1)
-        x4_l: gl.constexpr = gl.BlockedLayout([BM // QM, 1, 1, QM], [1, QM, 1, 32 // QM], [1, 1, num_warps, 1],
+        # with two warpgroups (128 weight rows) warp j + 4 takes the other half of block j's rows
+        G: gl.constexpr = num_warps // 4
+        x4_l: gl.constexpr = gl.BlockedLayout([BM // QM, 1, 1, QM // G], [1, QM // G, 1, 32 * G // QM], [1, G, 4, 1],
                                               [3, 2, 1, 0])
         x_l: gl.constexpr = gl.SliceLayout(0, x4_l)
         # activation scales: [buffer, block, column] written, [buffer * 4 + block][column] read;
@@ -279,8 +283,8 @@ def _wgmma_decode_kernel(
         # to the next iteration are the loaded words themselves (carried as separate bf16 values,
         # their unpacking was hoisted next to the load and waited on it: 28 % of the stall samples)
         XE: gl.constexpr = 16 if X_WORDS else 32  # loaded elements per 32-block
-        xl_l: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 1, 1, QM // 2], [1, QM, 1, 32 // QM],
-                                                                [1, 1, num_warps, 1], [3, 2, 1, 0])) if X_WORDS else x_l
+        xl_l: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 1, 1, QM // (2 * G)], [1, QM // G, 1, 32 * G // QM],
+                                                                [1, G, 4, 1], [3, 2, 1, 0])) if X_WORDS else x_l
         xr = gl.arange(0, QM, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl_l)))
         xb4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl_l)))
         xe = gl.arange(0, XE, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl_l)))
@@ -426,14 +430,16 @@ def wgmma_decode(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
     ws: torch.Tensor | None, lock: torch.Tensor | None, *, split_k: int, xc: torch.Tensor | None = None,
     stages: int = 2, sw_ahead: int = 1, pdl: bool = False, red_chunk: int = 4, x_words: bool = True,
-    cluster: bool = False,
+    cluster: bool = False, block_n: int = BLOCK_N,
 ) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16); with ``split_k > 1`` fp32 partials go to ``ws``
     ``[split_k, M, N]`` and are summed by the last program of each row tile to arrive when
     ``lock`` (zeroed int32 arrival counters, one per row tile) is given, else by the caller;
     with ``cluster`` (``split_k`` in ``CLUSTER_SIZES``) the splits of a row tile run as one
     thread-block cluster and sum their partials through its shared memory, each program a share
-    of the tile (no ``ws`` or ``lock``).
+    of the tile (no ``ws`` or ``lock``). ``block_n``: weight rows per program, 64 (one
+    warpgroup) or, from M = 3, 128 (two warpgroups sharing each quantized activation tile, the
+    quantization spread over their eight warps).
 
     ``stages`` TMA buffers in the ring; the weight scale words are loaded ``sw_ahead`` (1..3)
     K-tiles ahead. ``pdl``: launched as a programmatic dependent of the previous kernel in the
@@ -450,6 +456,8 @@ def wgmma_decode(
     """
     m, k = x.shape
     n = weight.shape[0]
+    if block_n not in (64, 128) or (block_n == 128 and m < 3):
+        raise ValueError(f"block_n={block_n}: 64, or 128 (two warpgroups) from M = 3")
     if not 1 <= sw_ahead <= 3:
         raise ValueError(f"sw_ahead={sw_ahead}: 1, 2 or 3")
     if m > 16 or not supported(weight, k) or x.stride(1) != 1:
@@ -461,8 +469,8 @@ def wgmma_decode(
     if not fuse and xc is None:
         raise LayoutError("e4m3 activations need their codes (xc)")
     bm = 8 if m <= 8 else 16
-    w_layout, x_layout = _smem_layout(BLOCK_N), _smem_layout(bm)
-    w_desc = TensorDescriptor(weight.data, [n, k], [k, 1], [BLOCK_N, BLOCK_K], w_layout)
+    w_layout, x_layout = _smem_layout(block_n), _smem_layout(bm)
+    w_desc = TensorDescriptor(weight.data, [n, k], [k, 1], [block_n, BLOCK_K], w_layout)
     x_desc = None if fuse else TensorDescriptor(x, [m, k], [k, 1], [bm, BLOCK_K], x_layout)
     cluster = cluster and split_k > 1
     if cluster and split_k not in CLUSTER_SIZES:
@@ -474,7 +482,7 @@ def wgmma_decode(
     xk, stride_xm = (x.view(torch.int32), x.stride(0) // 2) if words else (x, x.stride(0))
     scale = weight.scale.view(torch.int32)
     cp4 = (k // 32 + 3) // 4
-    compiled = _wgmma_decode_kernel[(_cdiv(n, BLOCK_N), 1 if cluster else split_k)](
+    compiled = _wgmma_decode_kernel[(_cdiv(n, block_n), 1 if cluster else split_k)](
         w_desc, x_desc, xk, scale, scale if fuse else xc, bias if bias is not None else out, out,
         ws if partial else out, lock if lock is not None else scale, m, n, k, stride_xm, out.stride(0),
         m * n, cp4, split_k,
@@ -482,7 +490,7 @@ def wgmma_decode(
         SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=_next_pow2(m),
         X_SMEM=x_layout, STAGES=stages, SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, X_WORDS=words,
         CLUSTER=split_k if cluster else 0,
-        RED_E=BLOCK_N * bm >> (split_k.bit_length() - 1) if cluster else 0, num_warps=4,
+        RED_E=block_n * bm >> (split_k.bit_length() - 1) if cluster else 0, num_warps=block_n // 16,
         **({"launch_pdl": True} if pdl else {}),
     )
     if cluster:  # where the wrapper below did not see the compilation (another Triton): from the next launch on

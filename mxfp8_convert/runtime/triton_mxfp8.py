@@ -816,8 +816,11 @@ def _gluon():
 
 def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 2, waves: float = 3.0,
                  serial_reduce: bool = True, fuse_quant: bool = False, sw_ahead: int = 1,
-                 pdl: bool = False, red_chunk: int = 0, max_split: int = 0, cluster: bool = False) -> GemmConfig:
-    """Config of the Gluon wgmma decode kernel: 64 physical weight rows per program, 128-wide
+                 pdl: bool = False, red_chunk: int = 0, max_split: int = 0, cluster: bool = False,
+                 block_n: int = 64) -> GemmConfig:
+    """Config of the Gluon wgmma decode kernel: ``block_n`` physical weight rows per program (64:
+    one warpgroup; 128: two, sharing each quantized activation tile; ``waves`` then counts pairs
+    of 64-row programs), 128-wide
     K-tiles in a ring of ``stages`` TMA buffers, weight scale words loaded ``sw_ahead`` K-tiles
     ahead, split-K up to ~``waves`` x SMs programs (none when the row tiles alone fill 2.5 waves:
     measured faster on DeepSeek q_b/kv_b), summed by the last program of each row tile
@@ -828,7 +831,7 @@ def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 
     the split is then the largest cluster size (:data:`CLUSTER_SIZES`) up to the one above (no
     cluster where that is 1)."""
     sms = _num_sms(device)
-    tiles = triton.cdiv(n, 64)
+    tiles = triton.cdiv(n, block_n)
     k_tiles = k // 128
     split = 1 if tiles >= 2.5 * sms else max(1, min(triton.cdiv(int(waves * sms), tiles), k_tiles))
     split = min(split, max_split or split)
@@ -840,7 +843,8 @@ def wgmma_config(m: int, n: int, k: int, device: torch.device, *, stages: int = 
     # partials loaded per round trip when they are summed: all of them in one trip up to 16
     # (measured: 16 at a time beat 4 by up to x0.27 bf16 on 10-28 splits, 8 beat 16 at 5-8)
     red_chunk = red_chunk or min(16, max(4, triton.next_power_of_2(split)))
-    return GemmConfig(64, 16, 128, split_k=split, fuse_quant=fuse_quant, num_warps=4, num_stages=stages,
+    return GemmConfig(block_n, 16, 128, split_k=split, fuse_quant=fuse_quant, num_warps=block_n // 16,
+                      num_stages=stages,
                       serial_reduce=serial_reduce, wgmma=True, sw_ahead=sw_ahead, pdl=pdl, red_chunk=red_chunk,
                       cluster=cluster)
 
@@ -859,6 +863,10 @@ WGMMA_TWO_KERNEL_SPLIT = 8
 #: At M = 9..16, split-K partials go through distributed shared memory (a cluster per row tile)
 #: on weights of at most this many 64-row tiles (:func:`wgmma_rule`).
 WGMMA_CLUSTER_MAX_TILES = 32
+#: At M = 9..16, programs of 128 weight rows (two warpgroups; their registers allow two per SM)
+#: in clusters of this many, where that makes :data:`WGMMA_WIDE_PER_SM` programs per SM.
+WGMMA_WIDE_CLUSTER = 4
+WGMMA_WIDE_PER_SM = (1.5, 2.0)
 WGMMA_HUGE_WEIGHT = 64_000_000
 
 
@@ -900,7 +908,11 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     at most :data:`WGMMA_CLUSTER_MAX_TILES` row tiles, with ~2 programs per SM and up to 16 splits
     (more row tiles: clusters measured slower at 16 columns, Qwen q_proj 8.0-9.5 us vs 7.8); at
     least two K-tiles per split (Qwen k_proj, 20 K-tiles, M = 16: 8 splits 5.0 us, 16 5.5). Not on
-    a device that refused a clustered launch (:data:`_CLUSTERS_REFUSED`).
+    a device that refused a clustered launch (:data:`_CLUSTERS_REFUSED`). At M = 9..16, where
+    programs of 128 weight rows (two warpgroups sharing each quantized activation tile) in
+    clusters of 4 make 1.5-2 programs per SM (:data:`WGMMA_WIDE_PER_SM`; their registers allow
+    two), those (eighth session, three runs: DeepSeek expert.down 8.4 us vs 9.2, o_proj 37.1-37.8
+    vs 39.8-40.5, mlp.down 41.6-42.8 vs 45.2-46.0; the weights of N = 7168 on the H200).
     Elsewhere (and with ``cluster=False``, the sixth session's rule) the partials go through global
     memory, by weight size (elements):
 
@@ -930,7 +942,13 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     if (size < WGMMA_SMALL_WEIGHT and m == 1 and not pdl_enabled(device)) or _gluon() is None:
         return None
     tiles = _cdiv(n, 64)
-    if cluster and (m <= 8 or tiles <= WGMMA_CLUSTER_MAX_TILES) and _device_index(device) not in _CLUSTERS_REFUSED:
+    clusters = cluster and _device_index(device) not in _CLUSTERS_REFUSED
+    lo, hi = WGMMA_WIDE_PER_SM
+    if clusters and m > 8 and k >= 1024 and lo <= WGMMA_WIDE_CLUSTER * _cdiv(n, 128) / _num_sms(device) <= hi:
+        cfg = wgmma_config(m, n, k, device, waves=16, fuse_quant=True, sw_ahead=2, max_split=WGMMA_WIDE_CLUSTER,
+                           cluster=True, block_n=128)
+        return dataclasses.replace(cfg, pdl=wgmma_pdl(m, cfg.split_k, device))
+    if clusters and (m <= 8 or tiles <= WGMMA_CLUSTER_MAX_TILES):
         cap = min(16 if m > 8 or tiles * 8 < 0.75 * _num_sms(device) else 8, k // 256)  # >= 2 K-tiles per split
         cfg = wgmma_config(m, n, k, device, waves=3 if m <= 8 else 2, fuse_quant=True, sw_ahead=2, max_split=cap,
                            cluster=True)
@@ -1321,7 +1339,7 @@ def _launch_wgmma(
     try:
         gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
                            split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
-                           red_chunk=cfg.red_chunk, x_words=cfg.x_words, cluster=cfg.cluster)
+                           red_chunk=cfg.red_chunk, x_words=cfg.x_words, cluster=cfg.cluster, block_n=cfg.block_n)
     except RuntimeError as err:
         if not cfg.cluster or "cluster" not in str(err).lower():
             raise

@@ -22,7 +22,7 @@ gluon_mxfp8 = pytest.importorskip("mxfp8_convert.runtime.gluon_mxfp8")
 
 
 def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool = False, words: bool = False,
-          cluster: int = 0) -> str:
+          cluster: int = 0, block_n: int = 64) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -33,7 +33,8 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
     n, k = 4096, 4096
     bk = gluon_mxfp8.BLOCK_K
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-    wd = TensorDescriptor(w, [n, k], [k, 1], [64, bk], gl.NVMMASharedLayout.get_default_for([64, bk], gl.float8e4nv))
+    wd = TensorDescriptor(w, [n, k], [k, 1], [block_n, bk],
+                          gl.NVMMASharedLayout.get_default_for([block_n, bk], gl.float8e4nv))
     x_smem = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
     sig = {"w_desc": mangle_type(wd), "x_desc": "constexpr", "x_ptr": "*bf16", "s_ptr": "*i32", "xc_ptr": "*i32",
            "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
@@ -49,19 +50,19 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
     const.update({"LAYOUT": gluon_mxfp8.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": True, "SERIAL": serial,
                   "FUSE_QUANT": fuse, "BM": bm, "QM": qm or bm, "X_SMEM": x_smem, "STAGES": 2, "SW_AHEAD": 3,
                   "PDL": pdl, "RED_CHUNK": 4, "X_WORDS": words, "CLUSTER": cluster,
-                  "RED_E": 64 * bm >> (cluster.bit_length() - 1) if cluster else 0,
-                  "num_warps": 4})
+                  "RED_E": block_n * bm >> (cluster.bit_length() - 1) if cluster else 0,
+                  "num_warps": block_n // 16})
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
              for a in ("x_ptr", "s_ptr", "xc_ptr", "out_ptr", "ws_ptr", "K", "stride_xm")}
     src = GluonASTSource(fn=gluon_mxfp8._wgmma_decode_kernel, signature=sig, constexprs=const, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": 4})
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_n // 16})
     assert kernel.metadata.shared <= 64 * 1024
     cubin = kernel.asm["cubin"]
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                        f"mxfp8_gluon_{os.getpid()}_{bm}_{qm}_{layout}_{serial}_{fuse}_{pdl}_{words}_{cluster}.cubin")
+                        f"mxfp8_gluon_{os.getpid()}_{bm}_{qm}_{layout}_{serial}_{fuse}_{pdl}_{words}_{cluster}_{block_n}.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
     try:
@@ -107,6 +108,31 @@ def test_wgmma_kernel_compiles_for_sm90_with_mmas_in_flight(bm, qm, words, layou
         assert sum(t.startswith("BAR.SYNC") for t in loop) == 3
         # e4m3 rounding by the hardware conversion, QM rows: one cvt per 2 values a thread holds
         assert sum("F2FP.SATFINITE.E4M3.F32" in t for t in loop) == max(qm // 2, 1)
+
+
+@pytest.mark.parametrize("cluster", [0, 4])
+@pytest.mark.parametrize("qm,words", [(4, True), (16, True), (16, False)])
+def test_two_warpgroups_share_one_quantized_activation_tile(qm, words, cluster):
+    """128 weight rows per program (``block_n=128``, eight warps): each warpgroup issues the four
+    FP8 wgmma of its 64 rows per K-tile, in flight as in a 64-row program, on the one e4m3 tile the
+    eight warps quantized together: each thread converts half the values it would in a 64-row
+    program (warps j and j + 4 take the two halves of 32-block j's rows); the CTA barriers per
+    K-tile are the three of a 64-row program and one at its end (a warpgroup waits only for its own
+    MMAs, so neither may refill a ring stage or rewrite an activation buffer the other still
+    reads); no spills, and at most 128 registers a thread: two programs fit an SM, which the rule
+    counts on (``WGMMA_WIDE_PER_SM``)."""
+    bm = 8 if qm <= 8 else 16
+    wide = _sass(bm, "trtllm", not cluster, True, qm, pdl=True, words=words, cluster=cluster, block_n=128)
+    narrow = _sass(bm, "trtllm", not cluster, True, qm, pdl=True, words=words, cluster=cluster)
+    assert len(re.findall(rf"QGMMA\.64x{bm}x32\.F32\.E4M3\.E4M3", wide)) == 4
+    assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", wide) == ["3", "2", "1", "0"]
+    loop = _k_loop(wide)
+    assert sum("F2FP.SATFINITE.E4M3.F32" in t for t in loop) == max(qm // 4, 1)
+    assert sum("F2FP.SATFINITE.E4M3.F32" in t for t in _k_loop(narrow)) == max(qm // 2, 1)
+    assert sum(t.startswith("BAR.SYNC") for t in loop) == 4 and loop[-2].startswith("BAR.SYNC")
+    assert not re.search(r"\b(STL|LDL)\b", wide)
+
+    assert max(int(r) for r in re.findall(r"\bR(\d+)\b", wide)) < 128
 
 
 @pytest.mark.parametrize("fuse", [True, False], ids=["fused", "e4m3-by-tma"])

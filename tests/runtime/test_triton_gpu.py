@@ -197,6 +197,19 @@ def test_wgmma_configs_agree(layout, n, m):
     cl16 = tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True, max_split=16, cluster=True)
     assert cl16.cluster and cl16.split_k == 16
     _check_twice(tri, x, w, bias, ref, cl16)
+    if m >= 3:  # 128-row programs (two warpgroups sharing each activation tile): each row's bits as
+        # in a 64-row program, for every reduction (N = 544 and 576: TMA zero-fills a partial tile)
+        for cfg in (cl8, dataclasses.replace(cl8, cluster=False, pdl=False)):
+            wide = dataclasses.replace(cfg, block_n=128, num_warps=8)
+            assert torch.equal(_check_twice(tri, x, w, bias, ref, wide), serial8), wide
+        for serial in (True, False):
+            cfg = tri.wgmma_config(m, n, k, dev, waves=1, fuse_quant=True, serial_reduce=serial, block_n=128)
+            assert cfg.block_n == 128 and cfg.split_k > 1
+            assert torch.equal(_check_twice(tri, x, w, bias, ref, cfg),
+                               _check_twice(tri, x, w, bias, ref, dataclasses.replace(cfg, block_n=64, num_warps=4)))
+        unsplit = tri.wgmma_config(m, n, k, dev, waves=0.01, fuse_quant=True, block_n=128)
+        assert torch.equal(_check_twice(tri, x, w, bias, ref, unsplit),
+                           _check_twice(tri, x, w, bias, ref, dataclasses.replace(unsplit, block_n=64, num_warps=4)))
     # partials loaded 4, 8 or 16 (the default here: 28 splits) per round trip: the same sums
     chunked = [_check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True,
                                                                    red_chunk=chunk)) for chunk in (0, 4, 8)]
@@ -384,6 +397,9 @@ def test_wgmma_is_the_rule_where_measured_faster():
     assert tri.choose_config(16, 1024, 4096, dev).cluster and tri.choose_config(16, 576, 7168, dev).cluster
     cfg = tri.choose_config(16, 4096, 4096, dev)
     assert cfg.wgmma and not cfg.cluster and cfg.split_k > 1 and not cfg.serial_reduce
+    # ... but on N = 7168 (DeepSeek expert.down, o_proj, mlp.down): 128-row programs in clusters of 4
+    cfg = tri.choose_config(16, 7168, 2048, dev)
+    assert cfg.wgmma and cfg.cluster and cfg.block_n == 128 and cfg.num_warps == 8 and cfg.split_k == 4
     assert not tri.choose_config(16, 24576, 1536, dev).pdl  # K unsplit at M > 8
     assert not tri.choose_config(17, 18432, 7168, dev).wgmma
     w, q, code = random_weight(4096, 4096, "canonical", seed=2)  # no 128x4 scale words: falls back

@@ -281,6 +281,19 @@ def test_wgmma_rule_table(monkeypatch):
     assert cluster(16, 1024, 2560)[:2] == (True, 8)  # Qwen k_proj: 20 K-tiles, at least 2 per split
     for shape in ((2560, 4096), mid, qwen_q, huge):  # 40 row tiles and more: through global memory
         assert tri.wgmma_rule(16, *shape, dev) == tri.wgmma_rule(16, *shape, dev, cluster=False)
+    # ... but for 128-row programs (two warpgroups) in clusters of 4 where that makes 1.5-2 per SM:
+    # N = 7168 (56 x 4 = 224 programs), whatever K from 1024 (DeepSeek expert.down, o_proj, mlp.down)
+    for m in (9, 16):
+        for k in (2048, 16384, 18432):
+            cfg = tri.wgmma_rule(m, 7168, k, dev)
+            assert (cfg.block_n, cfg.num_warps, cfg.cluster, cfg.split_k, cfg.pdl) == (128, 8, True, 4, True)
+        assert tri.wgmma_rule(m, 7168, 2048, dev, cluster=False).block_n == 64
+    assert tri.wgmma_rule(8, 7168, 2048, dev).block_n == 64  # M <= 8: 64-row clusters
+    assert tri.wgmma_rule(16, 7168, 512, dev).block_n == 64  # 4 K-tiles: too few to split 4 ways
+    for n in (6272, 8576):  # 49 x 4 = 196 programs (1.48 per SM); 67 x 4 = 268 (2.03); 50 and 66 x 4 fit
+        assert tri.wgmma_rule(16, n, 2048, dev).block_n == 64
+    assert tri.wgmma_rule(16, 6400, 2048, dev).block_n == tri.wgmma_rule(16, 8448, 2048, dev).block_n == 128
+    assert all(tri.wgmma_rule(16, n, k, dev).block_n == 64 for n, k in (small, mid, qwen_q, qwen_mlp, large, huge))
     assert expect(4, *mid, 2) != expect(4, *mid, 3)  # the waves are told apart
     # partials loaded per round trip: all of them up to 16 (at least 4)
     chunks = {tri.wgmma_rule(m, *shape, dev, cluster=False).split_k: tri.wgmma_rule(m, *shape, dev, cluster=False).red_chunk
