@@ -11,10 +11,10 @@ Run on the GPU (never collected by pytest):
 
 Every mode takes --ms 1,2,... and --shapes NAME,... (substrings of the model-shape names).
 ``decode --wgmma`` times the Gluon kernel's configs (the rule's; the split-K partials summed
-through global memory instead, by the sixth session's rule; the splits of a row tile as one
-thread-block cluster, summed through distributed shared memory, at 1, 2 and 3 waves of programs,
-at M > 8 also without PDL, and with the activations quantized by a kernel before) and a
-``read-only`` row per
+through global memory instead, by the sixth session's rule, also with 3- and 4-stage rings; the
+splits of a row tile as one thread-block cluster, summed through distributed shared memory, at 1,
+2 and 3 waves of programs, at M > 8 also without PDL, and as clusters of 4 and 8 programs of 64
+or 128 weight rows) and a ``read-only`` row per
 shape: a kernel that only reads the fp8 weight bytes, the ceiling for any kernel that streams
 them. ``MXFP8_PDL=0`` times the rule without PDL.
 
@@ -334,18 +334,25 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
         )
 
         if (base := wgmma_rule(m, n, k, dev, cluster=False)) is not None:
+            rep = dataclasses.replace
             out["wg.global"] = base  # the partials through global memory (the sixth session's rule)
-            if m > 8:  # activations quantized once, by a kernel before (16 columns: each program re-quantizes them)
-                out["wg.global.q"] = dataclasses.replace(base, fuse_quant=False)
+            for stages in (3, 4):  # deeper TMA rings
+                out[f"wg.global.st{stages}"] = rep(base, num_stages=stages)
             for waves in (1, 2, 3):  # the splits of a row tile as one cluster, summed through DSMEM
                 cfg = wgmma_config(m, n, k, dev, waves=waves, fuse_quant=True, sw_ahead=2,
                                    max_split=16 if m >= 4 else 0, cluster=True)
                 if cfg.cluster:
-                    out[f"wg.cl{cfg.split_k}.w{waves}"] = dataclasses.replace(cfg, pdl=wgmma_pdl(m, cfg.split_k, dev))
+                    out[f"wg.cl{cfg.split_k}.w{waves}"] = rep(cfg, pdl=wgmma_pdl(m, cfg.split_k, dev))
                     if m > 8:  # clusters wait for room in one GPC: is it there with the neighbours launched early?
                         out[f"wg.cl{cfg.split_k}.w{waves}.nopdl"] = cfg
-                        out[f"wg.cl{cfg.split_k}.w{waves}.q"] = dataclasses.replace(
-                            cfg, pdl=wgmma_pdl(m, cfg.split_k, dev), fuse_quant=False)
+            if m > 8:  # clusters of 4 and 8 64-row programs, or of 128-row ones (two warpgroups sharing
+                # each quantized activation tile)
+                for size in (4, 8):
+                    for bn in (64, 128):
+                        cfg = wgmma_config(m, n, k, dev, waves=16, fuse_quant=True, sw_ahead=2, max_split=size,
+                                           cluster=True, block_n=bn)
+                        if cfg.cluster and cfg.split_k == size:
+                            out[f"wg.b{bn}.cl{size}"] = rep(cfg, pdl=wgmma_pdl(m, cfg.split_k, dev))
         if (gemv := gemv_rule(m, n, k, dev)) is not None:
             out["gemv"] = gemv
         return out
