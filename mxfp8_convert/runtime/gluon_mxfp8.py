@@ -11,7 +11,8 @@ buffers, so loads for later tiles are in flight during the MMAs.
 Activations come either as e4m3 bytes (from ``quantize_activations``, by TMA into the ring) or
 as bf16/fp16/fp32, quantized inside the kernel (``FUSE_QUANT``: one launch instead of two, the
 rule's choice everywhere since the fifth session): each program loads the K-tile it needs, only
-its ``QM`` rows (M rounded up to a power of two; warp j takes 32-block j), rounds it as
+its ``QM`` rows (M rounded up to a power of two; warp j takes 32-block j, or half its rows in a
+program of two warpgroups), rounds it as
 ``mxfp8_quantize`` does (the code by the shared ``triton_mxfp8`` helper, the e4m3 rounding by the
 hardware's ``cvt.rn.satfinite``, which gives the same bytes), stores the e4m3 tile to shared
 memory (MMA columns QM..BM-1 read zeros) and the blocks' scales beside it, fences the tile for
@@ -93,7 +94,7 @@ else:
 
 #: Kernel code of each weight layout (the canonical layout is not served here).
 LAYOUT_CODE = {"cutlass": 0, "trtllm": 1}
-BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma M
+BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma M (``block_n=128``: two warpgroups)
 BLOCK_K = 128  # K per pipeline stage: four 32-blocks, one 128x4 scale word per row
 
 
