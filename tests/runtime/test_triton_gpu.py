@@ -285,12 +285,13 @@ def test_wgmma_pdl_chain_reads_each_previous_output(m):
             assert e.isfinite().all() and torch.equal(e, g), between
 
 
-@pytest.mark.parametrize("m", [2, 5])
+@pytest.mark.parametrize("m", [2, 5, 16])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.float32])
 def test_wgmma_activation_dtypes(dtype, m):
     """fp16/fp32 activations quantized inside the wgmma kernel (``_launch_wgmma`` hands them to
     it as it does bf16 ones): within 1e-2 of the reference and, bit for bit, the output of the
-    same config fed by the quantization kernel."""
+    same config fed by the quantization kernel; also in programs of 128 rows (from M = 3), whose
+    eight warps load the elements as the 64-row program's four do."""
     tri = _triton()
     if tri._gluon() is None:
         pytest.skip("Triton's Gluon is not installed")
@@ -302,6 +303,10 @@ def test_wgmma_activation_dtypes(dtype, m):
     fused = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, dev, fuse_quant=True, sw_ahead=2))
     before = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, dev, fuse_quant=False, sw_ahead=2))
     assert torch.equal(fused, before)
+    if m >= 3:
+        wide = tri.wgmma_config(m, n, k, dev, fuse_quant=True, sw_ahead=2, block_n=128, max_split=8)
+        narrow = dataclasses.replace(wide, block_n=64, num_warps=4)
+        assert torch.equal(_check_twice(tri, x, w, None, ref, wide), _check_twice(tri, x, w, None, ref, narrow))
 
 
 @pytest.mark.parametrize("m", [3, 16])
@@ -324,6 +329,9 @@ def test_wgmma_unaligned_bf16_rows(m):
         xv = buf[:, start:start + k]
         assert xv.data_ptr() % 4 or xv.stride(0) % 2
         assert torch.equal(_check_twice(tri, xv, w, None, ref, cfg), aligned)
+        # in programs of 128 rows (two warpgroups) too
+        wide = dataclasses.replace(cfg, block_n=128, num_warps=8)
+        assert torch.equal(_check_twice(tri, xv, w, None, ref, wide), _check_twice(tri, x, w, None, ref, wide))
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
