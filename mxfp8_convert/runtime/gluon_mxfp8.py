@@ -209,6 +209,15 @@ def _rescale(acc, part, sw_word, sx, j: gl.constexpr):
 
 
 @gluon.jit
+def _store_tile(acc, b_ptr, out_ptr, off, mask, lrows, N, HAS_BIAS: gl.constexpr):
+    """Store a program's whole ``[BN, BM]`` result (+ the bias of its logical rows ``lrows``) at
+    ``out_ptr + off``, in the output's dtype."""
+    if HAS_BIAS:
+        acc += gl.expand_dims(gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32), 1)
+    gl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+@gluon.jit
 def _wgmma_decode_kernel(
     w_desc, x_desc, x_ptr, s_ptr, xc_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr,
     M, N, K, stride_xm, stride_om, stride_os, scale_cp4, split_k,
@@ -384,9 +393,7 @@ def _wgmma_decode_kernel(
                 total += gl.load(b_ptr + gl.minimum(pr, N - 1)).to(gl.float32)
             gl.store(out_ptr + ec.to(gl.int64) * stride_om + pr, total.to(out_ptr.dtype.element_ty), mask=ok)
         else:  # launched without clusters: this program ran the whole K
-            if HAS_BIAS:
-                acc += gl.expand_dims(gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32), 1)
-            gl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+            _store_tile(acc, b_ptr, out_ptr, off, mask, lrows, N, HAS_BIAS)
     elif PARTIAL:
         gl.store(ws_ptr + split.to(gl.int64) * stride_os + ws_off, acc, mask=mask)
         if SERIAL:  # the last split of this row tile to arrive sums the partials: no second launch
@@ -408,9 +415,7 @@ def _wgmma_decode_kernel(
                 gl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=mask)
                 gl.atomic_xchg(lock_ptr + pid_n, 0)  # re-arm for the next call
     else:
-        if HAS_BIAS:
-            acc += gl.expand_dims(gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32), 1)
-        gl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        _store_tile(acc, b_ptr, out_ptr, off, mask, lrows, N, HAS_BIAS)
 
 
 @functools.cache
