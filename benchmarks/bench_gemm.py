@@ -321,6 +321,19 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
     out = {"rule": choose_config(m, n, k, dev)}
     if not sweep:
         return out
+    if sweep == "pdl":  # the rule's PDL options (ninth session), each taken away in turn
+        import dataclasses
+
+        rule, rep = out["rule"], dataclasses.replace
+        if rule.wgmma and rule.pdl:
+            out["nopdl"] = rep(rule, pdl=False, prefetch=False, red_release=False)
+            out["-prefetch"] = rep(rule, prefetch=False)  # every load after the dependency wait
+            if rule.phys_partials:  # second reduction kernel
+                out["-release"] = rep(rule, red_release=False)  # the next GEMM launches when it exits
+                out["-phys"] = rep(rule, phys_partials=False)  # partials in logical row order
+                out["-chunk"] = rep(rule, red_chunk=min(16, max(4, 1 << (rule.split_k - 1).bit_length())))
+                out["eighth"] = rep(out["-chunk"], prefetch=False, red_release=False, phys_partials=False)
+        return out
     if sweep != "wgmma":
         out["old"] = choose_config(m, n, k, dev, decode=False)
     else:  # the Gluon kernel: the rule, cluster reductions x programs per SM
@@ -616,6 +629,9 @@ def main() -> None:
     p.add_argument("--sweep", action="store_true", help="decode: time alternative configs too")
     p.add_argument("--wgmma", action="store_true", help="decode: time the Gluon wgmma kernel's configs")
     p.add_argument("--grid", action="store_true", help="decode: time a grid of GEMV configs (M <= 4)")
+    p.add_argument("--pdl-options", action="store_true",
+                   help="decode: time the wgmma rule without each of its PDL options (weight prefetch, "
+                   "early release by the reduction kernel, physical-order partials)")
     p.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--layouts", default="trtllm,cutlass", help="gemm: layouts to time (comma-separated)")
@@ -651,7 +667,7 @@ def main() -> None:
     elif args.mode == "decode":
         ms = [int(m) for m in args.ms.split(",")] if args.ms != ",".join(map(str, MS)) else list(DECODE_MS)
         layouts = ("trtllm", "cutlass")
-        sweep = "grid" if args.grid else "wgmma" if args.wgmma else args.sweep
+        sweep = "grid" if args.grid else "wgmma" if args.wgmma else "pdl" if args.pdl_options else args.sweep
         result["rows"] = decode_rows(shapes, ms, layouts, sweep)
         (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
         decode_summary(result["rows"])

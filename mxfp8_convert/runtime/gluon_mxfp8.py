@@ -23,9 +23,12 @@ activations are loaded one iteration ahead; bf16 ones as int32 words of two elem
 waits on that load before then. The weight scale words come from DRAM, so they are loaded up to
 three K-tiles ahead (``SW_AHEAD``).
 
-With ``PDL`` (programmatic dependent launch) the kernel first waits for the previous kernel in
-the stream (``griddepcontrol.wait``, before any memory access, so it never reads an unfinished
-input) and then lets the next one launch: launch latency is hidden behind the neighbours' tails.
+With ``PDL`` (programmatic dependent launch) the kernel waits for the previous kernel in the
+stream (``griddepcontrol.wait``, so it never reads an unfinished input) and then lets the next one
+launch: launch latency is hidden behind the neighbours' tails. Without ``PREFETCH`` the wait comes
+before any memory access; with it, the TMA loads of the weight's first K-tiles (the ring's
+prologue) and its first scale words go out before the wait, so that their DRAM latency overlaps
+the previous kernel's tail: the weight must then not be written by that kernel.
 
 Split-K partials are summed by the last program of each row tile to arrive (through global
 memory, an arrival counter per tile), by a second kernel, or, with ``CLUSTER``, inside a
@@ -224,9 +227,10 @@ def _wgmma_decode_kernel(
     LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr,
     FUSE_QUANT: gl.constexpr, BM: gl.constexpr, QM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
     SW_AHEAD: gl.constexpr, PDL: gl.constexpr, RED_CHUNK: gl.constexpr, X_WORDS: gl.constexpr,
-    CLUSTER: gl.constexpr, RED_E: gl.constexpr, num_warps: gl.constexpr,
+    CLUSTER: gl.constexpr, RED_E: gl.constexpr, PREFETCH: gl.constexpr, PHYS: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
-    if PDL:  # before any access to memory
+    if PDL and not PREFETCH:  # before any access to memory
         _gdc_wait_and_release()
     BN: gl.constexpr = w_desc.block_type.shape[0]
     # one warpgroup per 64 weight rows (BN = 64, or 128: two warpgroups sharing each activation tile)
@@ -272,6 +276,8 @@ def _wgmma_decode_kernel(
     sw_word = gl.load(sw_ptrs + kt0 * 128)
     sw_1 = gl.load(sw_ptrs + gl.minimum(kt0 + 1, last) * 128)
     sw_2 = gl.load(sw_ptrs + gl.minimum(kt0 + 2, last) * 128)
+    if PDL and PREFETCH:  # the weight's first tiles and scale words are on their way: now the inputs
+        _gdc_wait_and_release()
     # bf16 activations (or activation codes, both from L2) of the current tile; the next tile's
     # are loaded one iteration ahead
     if FUSE_QUANT:
@@ -365,11 +371,11 @@ def _wgmma_decode_kernel(
         lrows = rows
     mask = gl.expand_dims(lrows < N, 1) & gl.expand_dims(cols < M, 0)
     off = gl.expand_dims(cols.to(gl.int64), 0) * stride_om + gl.expand_dims(lrows, 1)
-    # partials summed in this kernel (SERIAL) stay in physical row order: contiguous stores and
-    # loads (in the P32 order a warp's 8 rows span 4x the 32-byte sectors); the second kernel
-    # reads logical rows. ``mask`` serves both: a trtllm N is a multiple of 32 and P32 permutes
+    # partials summed in this kernel (SERIAL), or by a second kernel that maps the rows (PHYS),
+    # stay in physical row order: contiguous stores and loads (in the P32 order a warp's 8 rows
+    # span 4x the 32-byte sectors); else the partials' rows are logical. ``mask`` serves both: a trtllm N is a multiple of 32 and P32 permutes
     # within 32-row groups, so the physical and the logical rows below N are the same set
-    ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(rows if SERIAL else lrows, 1)
+    ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(rows if SERIAL or PHYS else lrows, 1)
     if CLUSTER > 1:
         if split_k > 1:  # each split leaves its partial in its shared memory; each sums a share of the
             # tile's elements over the cluster, in split order (the bits of the serial reduction)
@@ -436,7 +442,8 @@ def wgmma_decode(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
     ws: torch.Tensor | None, lock: torch.Tensor | None, *, split_k: int, xc: torch.Tensor | None = None,
     stages: int = 2, sw_ahead: int = 1, pdl: bool = False, red_chunk: int = 4, x_words: bool = True,
-    cluster: bool = False, block_n: int = BLOCK_N,
+    cluster: bool = False, block_n: int = BLOCK_N, prefetch: bool = False,
+    phys_partials: bool = False,
 ) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16); with ``split_k > 1`` fp32 partials go to ``ws``
     ``[split_k, M, N]`` and are summed by the last program of each row tile to arrive when
@@ -450,7 +457,10 @@ def wgmma_decode(
     ``stages`` TMA buffers in the ring; the weight scale words are loaded ``sw_ahead`` (1..3)
     K-tiles ahead. ``pdl``: launched as a programmatic dependent of the previous kernel in the
     stream, which it waits for before touching memory, and releasing the next one at once (a
-    caller summing the partials with a second kernel launches it with PDL too). ``x_words``: bf16
+    caller summing the partials with a second kernel launches it with PDL too); ``prefetch`` (with
+    ``pdl`` and activations quantized here): the weight's first K-tiles and scale words are loaded
+    before the wait. ``phys_partials``: split-K partials in ``ws`` keep the weight's physical row
+    order (the caller's second kernel maps them to logical rows). ``x_words``: bf16
     activations (M >= 2, 4-byte aligned rows) are loaded as int32 words of two elements, which
     stay packed in the registers carried to the next K-tile (``False``: element by element, as
     fp16/fp32 ones; the same bits).
@@ -496,7 +506,9 @@ def wgmma_decode(
         SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=_next_pow2(m),
         X_SMEM=x_layout, STAGES=stages, SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, X_WORDS=words,
         CLUSTER=split_k if cluster else 0,
-        RED_E=block_n * bm >> (split_k.bit_length() - 1) if cluster else 0, num_warps=block_n // 16,
+        RED_E=block_n * bm >> (split_k.bit_length() - 1) if cluster else 0, PREFETCH=prefetch and pdl and fuse,
+        PHYS=phys_partials,
+        num_warps=block_n // 16,
         **({"launch_pdl": True} if pdl else {}),
     )
     if cluster:  # where the wrapper below did not see the compilation (another Triton): from the next launch on

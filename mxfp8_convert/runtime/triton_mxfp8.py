@@ -55,9 +55,9 @@ import triton
 import triton.language as tl
 
 try:  # programmatic dependent launch: Triton releases without it get the wgmma path without PDL
-    from triton.language.extra.cuda import gdc_wait
+    from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 except ImportError:
-    gdc_wait = None
+    gdc_wait = gdc_launch_dependents = None
 
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.runtime.weight import CANONICAL, MXFP8Weight
@@ -297,13 +297,18 @@ def _mxfp8_gemm_kernel(
 @triton.jit(do_not_specialize=["total", "stride_ps", "split_k"])
 def _splitk_reduce_kernel(p_ptr, b_ptr, out_ptr, N, total, stride_ps, split_k,
                           HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                          CHUNK: tl.constexpr = 4):
+                          CHUNK: tl.constexpr = 4, RELEASE: tl.constexpr = False, P32: tl.constexpr = False):
     if PDL:  # a programmatic dependent of the GEMM: its partials are complete and visible after this
         gdc_wait()
+        if RELEASE:
+            gdc_launch_dependents()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
+    # P32: the partials' rows are the trtllm weight's physical rows (N % 32 == 0): physical row p
+    # holds logical row 32*(p//32) + 4*(q%8) + q//8, q = p%32, within the same 64 output bytes
+    dst = offs - offs % 32 + 4 * (offs % 8) + offs % 32 // 8 if P32 else offs
     if HAS_BIAS:
-        bias = tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+        bias = tl.load(b_ptr + dst % N, mask=mask, other=0.0).to(tl.float32)
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
     # CHUNK partials per round trip, summed in split order
     for s in range(1, split_k, CHUNK):
@@ -312,7 +317,7 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, out_ptr, N, total, stride_ps, split_k,
             acc += tl.load(p_ptr + (s + j) * stride_ps + offs, mask=mask & (sv + j < split_k), other=0.0)
     if HAS_BIAS:
         acc += bias
-    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 # --------------------------------------------------------------------------------------------
@@ -705,6 +710,9 @@ class GemmConfig:
     red_chunk: int = 4  # wgmma: split-K partials loaded per round trip by the reducing program or kernel
     x_words: bool = True  # wgmma, fused: bf16 activations loaded as int32 words of two (``wgmma_decode``)
     cluster: bool = False  # wgmma, split-K: the splits of a row tile are one cluster, summed through DSMEM
+    prefetch: bool = False  # wgmma with PDL: the weight's first tiles loaded before waiting for the inputs
+    red_release: bool = False  # wgmma with PDL: the split-K reduction kernel lets the next kernel launch at once
+    phys_partials: bool = False  # wgmma, two kernels: partials in the weight's physical row order
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -884,8 +892,12 @@ def pdl_enabled(device: torch.device) -> bool:
     """Whether the wgmma path launches its kernels as programmatic dependents (PDL): on Hopper or
     newer, with a CUDA 12.4+ build of torch and driver (CUDA graphs capture the programmatic
     edges), unless ``MXFP8_PDL=0``. FlashInfer enables PDL by default on the same GPUs (``device_support_pdl``).
-    Safe with any neighbour: each kernel waits for the previous one before its first memory access
-    (``gluon_mxfp8.wgmma_decode``); a kernel launched without the attribute is not affected."""
+    Each kernel waits for the previous one before it reads the activations or writes anything
+    (``gluon_mxfp8.wgmma_decode``); only the weight's first tile and scale words are loaded
+    before that wait (:func:`weight_prefetch`), so the previous kernel must not be the one that
+    writes the weight (an in-place weight update is followed by a synchronization, or run with
+    ``MXFP8_PDL=strict``: every memory access after the wait). A kernel launched without the
+    attribute is not affected."""
     if (os.environ.get("MXFP8_PDL", "1") == "0" or gdc_wait is None or device.type != "cuda"
             or not torch.version.cuda):
         return False
@@ -947,13 +959,13 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     if clusters and m > 8 and k >= 1024 and lo <= WGMMA_WIDE_CLUSTER * _cdiv(n, 128) / _num_sms(device) <= hi:
         cfg = wgmma_config(m, n, k, device, waves=16, fuse_quant=True, sw_ahead=2, max_split=WGMMA_WIDE_CLUSTER,
                            cluster=True, block_n=128)
-        return dataclasses.replace(cfg, pdl=wgmma_pdl(m, cfg.split_k, device))
+        return _launch_options(cfg, m, device)
     if clusters and (m <= 8 or tiles <= WGMMA_CLUSTER_MAX_TILES):
         cap = min(16 if m > 8 or tiles * 8 < 0.75 * _num_sms(device) else 8, k // 256)  # >= 2 K-tiles per split
         cfg = wgmma_config(m, n, k, device, waves=3 if m <= 8 else 2, fuse_quant=True, sw_ahead=2, max_split=cap,
                            cluster=True)
         if cfg.cluster:
-            return dataclasses.replace(cfg, pdl=wgmma_pdl(m, cfg.split_k, device))
+            return _launch_options(cfg, m, device)
     if m <= 8:
         waves = 2 if size < WGMMA_SMALL_WEIGHT else 3
     else:
@@ -965,7 +977,23 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
         two_kernel = m >= 5 and 1 < cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT and WGMMA_SMALL_WEIGHT <= size < WGMMA_HUGE_WEIGHT
     else:  # 16-column partials: summed by a second kernel, but for many splits of a small weight
         two_kernel = cfg.split_k > 1 and (size >= WGMMA_SMALL_WEIGHT or cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT)
-    return dataclasses.replace(cfg, serial_reduce=not two_kernel, pdl=wgmma_pdl(m, cfg.split_k, device))
+    return _launch_options(dataclasses.replace(cfg, serial_reduce=not two_kernel), m, device)
+
+
+def _launch_options(cfg: GemmConfig, m: int, device: torch.device) -> GemmConfig:
+    """The rule's launch options for a wgmma config: programmatic dependent launch where
+    :func:`wgmma_pdl`, with the weight's first tile and scale words loaded before the wait
+    (``prefetch``); partials summed by a second kernel are stored in the weight's physical row
+    order and mapped by that kernel (``phys_partials``), which, under PDL, lets the next kernel
+    launch as soon as the partials are complete (``red_release``). Ninth session (NOTES_gemm.md):
+    Qwen q_proj at M = 16 6.90-6.92 us vs 7.70-7.73, Qwen k_proj 4.6 vs 5.0."""
+    pdl = wgmma_pdl(m, cfg.split_k, device)
+    two_kernel = cfg.split_k > 1 and not cfg.cluster and not cfg.serial_reduce
+    # the second kernel loads the first partial, then the others in chunks: all in one chunk, no
+    # masked loads (Qwen q_proj, 5 splits: 4 at a time 6.82 / 6.85 us vs 8 at a time 6.97 / 6.91)
+    chunk = min(16, triton.next_power_of_2(cfg.split_k - 1)) if two_kernel else cfg.red_chunk
+    return dataclasses.replace(cfg, pdl=pdl, prefetch=pdl and weight_prefetch(), red_release=pdl and two_kernel,
+                               phys_partials=two_kernel, red_chunk=chunk)
 
 
 #: Devices (by index) on which the GPU refused a clustered launch of the wgmma kernel (a cluster
@@ -979,6 +1007,12 @@ def _device_index(device: torch.device) -> int:
     if device.index is not None:
         return device.index
     return torch.cuda.current_device() if torch.cuda.is_available() else 0
+
+
+def weight_prefetch() -> bool:
+    """Whether kernels launched with PDL load the weight's first K-tile and scale words before
+    waiting for the previous kernel (default), or every byte after it (``MXFP8_PDL=strict``)."""
+    return os.environ.get("MXFP8_PDL", "1") != "strict"
 
 
 def wgmma_pdl(m: int, split_k: int, device: torch.device) -> bool:
@@ -1191,14 +1225,14 @@ def _split_k_buffers(out: torch.Tensor, cfg: GemmConfig, tiles: int):
 
 
 def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, has_bias: bool,
-                   pdl: bool = False) -> None:
+                   pdl: bool = False, p32: bool = False, block: int = 1024) -> None:
     """Sum the split-K partials ``ws`` (+ bias) into ``out`` with a second kernel (``pdl``: launched
-    as a programmatic dependent of the GEMM, which lets it launch early)."""
+    as a programmatic dependent of the GEMM, which lets it launch early; ``p32``: the partials' rows
+    are in the trtllm weight's physical order)."""
     total = out.shape[0] * out.shape[1]
-    block = 1024
     _splitk_reduce_kernel[(_cdiv(total, block),)](
         ws, bias, out, out.shape[1], total, total, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, PDL=pdl,
-        CHUNK=cfg.red_chunk, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        CHUNK=cfg.red_chunk, RELEASE=cfg.red_release, P32=p32, num_warps=4, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -1339,7 +1373,8 @@ def _launch_wgmma(
     try:
         gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
                            split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
-                           red_chunk=cfg.red_chunk, x_words=cfg.x_words, cluster=cfg.cluster, block_n=cfg.block_n)
+                           red_chunk=cfg.red_chunk, x_words=cfg.x_words, cluster=cfg.cluster, block_n=cfg.block_n,
+                           prefetch=cfg.prefetch, phys_partials=cfg.phys_partials)
     except RuntimeError as err:
         if not cfg.cluster or "cluster" not in str(err).lower():
             raise
@@ -1349,7 +1384,8 @@ def _launch_wgmma(
         return _launch_wgmma(x, weight, bias, out, dataclasses.replace(cfg, cluster=False, split_k=split,
                                                                        serial_reduce=True))
     if partial and not serial:
-        _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl)
+        _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl,
+                       p32=weight.layout == "trtllm" and cfg.phys_partials)
     return out
 
 

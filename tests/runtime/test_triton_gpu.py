@@ -160,9 +160,10 @@ def test_wgmma_configs_agree(layout, n, m):
     """The Gluon wgmma decode kernel: activations quantized inside it or by a separate kernel,
     scale words loaded one to three K-tiles ahead (with 0.01 waves a single program runs all of
     K), 8- and 16-column MMAs (M <= 8 / <= 16), TMA ring depths, split-K with the serial (last
-    program) and the two-kernel reduction, N tail (544 = 8.5 x 64: TMA zero-fills rows past N),
+    program) and the two-kernel reduction (partials in logical or physical row order), N tail (544 = 8.5 x 64: TMA zero-fills rows past N),
     physical-to-logical row mapping on the store (trtllm), bias, programmatic dependent launch
-    (both kernels, one after the other), 4, 8 or 16 partials summed per round trip; each config
+    (both kernels, one after the other; the weight's first tile loaded before the wait, the second
+    kernel letting the next launch early), 4, 8 or 16 partials summed per round trip; each config
     twice (the arrival counters must re-arm). The activations span 2^-10..2^10 across K, so every 32-block has its
     own code. The kernel's own quantization (of M rows rounded up to 1, 2, 4, 8 or 16; the other
     MMA columns read zeros) gives the bits of the quantization kernel's, whether the bf16
@@ -183,6 +184,10 @@ def test_wgmma_configs_agree(layout, n, m):
         cfgs = [tri.wgmma_config(m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse,
                                  sw_ahead=ahead, pdl=pdl) for fuse in (True, False)]
         cfgs.append(dataclasses.replace(cfgs[0], x_words=False))  # bf16 loaded element by element
+        if pdl:  # the weight's first tile loaded before the wait; a second kernel's early release
+            cfgs.append(dataclasses.replace(cfgs[0], prefetch=True, red_release=not serial))
+        if not serial:  # partials in the trtllm weight's physical row order, mapped by the second kernel
+            cfgs += [dataclasses.replace(c, phys_partials=True) for c in (cfgs[0], cfgs[-1])]
         outs = [_check_twice(tri, x, w, bias, ref, cfg) for cfg in cfgs]
         assert all(torch.equal(outs[0], o) for o in outs[1:]), (stages, waves, serial, ahead, pdl)
     # the splits as one cluster, summed through DSMEM: the bits of the serial reduction where the
@@ -405,6 +410,9 @@ def test_wgmma_is_the_rule_where_measured_faster():
     assert tri.choose_config(16, 1024, 4096, dev).cluster and tri.choose_config(16, 576, 7168, dev).cluster
     cfg = tri.choose_config(16, 4096, 4096, dev)
     assert cfg.wgmma and not cfg.cluster and cfg.split_k > 1 and not cfg.serial_reduce
+    # with PDL the weight's first tile is loaded before the wait, and the second kernel (summing
+    # physical-order partials) lets the next kernel launch once the partials are complete
+    assert (cfg.prefetch, cfg.red_release, cfg.phys_partials) == (pdl, pdl, True)
     # ... but on N = 7168 (DeepSeek expert.down, o_proj, mlp.down): 128-row programs in clusters of 4
     cfg = tri.choose_config(16, 7168, 2048, dev)
     assert cfg.wgmma and cfg.cluster and cfg.block_n == 128 and cfg.num_warps == 8 and cfg.split_k == 4

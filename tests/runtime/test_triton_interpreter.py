@@ -299,11 +299,26 @@ def test_wgmma_rule_table(monkeypatch):
     chunks = {tri.wgmma_rule(m, *shape, dev, cluster=False).split_k: tri.wgmma_rule(m, *shape, dev, cluster=False).red_chunk
               for m, shape in ((4, small), (8, mid), (4, huge), (16, small), (16, large))}
     assert chunks == {16: 16, 7: 8, 2: 4, 8: 8, 1: 4}, chunks
+    # ... but a second kernel loads the partials after the first in one chunk: 4 of Qwen q_proj's 5
+    assert tri.wgmma_rule(16, *qwen_q, dev).split_k == 5 and tri.wgmma_rule(16, *qwen_q, dev).red_chunk == 4
     assert tri.wgmma_config(2, 576, 7168, dev, waves=2).split_k == 28 and tri.wgmma_config(2, 576, 7168, dev).red_chunk == 16
     # from M = 4 at most 16 splits (DeepSeek kv_a, 56 K-tiles: 14), below as many as the waves give
     assert [tri.wgmma_rule(m, 576, 7168, dev, cluster=False).split_k for m in (2, 3, 4, 8)] == [28, 28, 14, 14]
+    # with PDL: the weight's first tile loaded before the wait; partials summed by a second kernel
+    # in physical row order, which lets the next kernel launch once they are complete
+    def options(m, n, k, cluster=False):
+        cfg = tri.wgmma_rule(m, n, k, dev, cluster=cluster)
+        return cfg.prefetch, cfg.red_release, cfg.phys_partials
+
+    assert options(16, *mid) == (True, True, True) and options(8, *mid) == (True, True, True)
+    assert options(4, *mid) == (True, False, False) and options(16, *mid, cluster=True) == (True, True, True)
+    assert options(8, *mid, cluster=True) == (True, False, False)  # a cluster: no second kernel
+    assert options(16, *large) == (False, False, False)  # K unsplit at M > 8: no PDL
+    monkeypatch.setenv("MXFP8_PDL", "strict")  # PDL with every memory access after the wait
+    assert rule(16, *mid) == expect(16, *mid, 2, serial=False) and options(16, *mid) == (False, True, True)
     monkeypatch.setenv("MXFP8_PDL", "0")  # without PDL: the same configs unlaunched as dependents, GEMV at M = 1
     assert rule(4, *mid) == expect(4, *mid, 3, pdl=False) and rule(1, *small) is None
+    assert options(16, *mid) == (False, False, True)
     monkeypatch.delenv("MXFP8_PDL")
     monkeypatch.setattr(tri, "gdc_wait", None)  # a Triton without programmatic dependent launch
     assert rule(4, *mid) == expect(4, *mid, 3, pdl=False)
@@ -381,3 +396,37 @@ def test_activation_quantization_bit_exact():
         assert torch.equal(got["code"], code)
         assert torch.equal(got["q"].view(torch.uint8), q.view(torch.uint8))
         assert torch.equal(got["deq"], q.float().reshape(9, 32, 32).mul(torch.exp2(code.float() - 127)[..., None]).reshape(9, 1024))
+
+
+@interp
+@pytest.mark.parametrize("has_bias,chunk", [(False, 4), (True, 2), (True, 8)])
+def test_reduction_maps_physical_rows_of_a_trtllm_weight(has_bias, chunk):
+    """The split-K reduction kernel fed partials in the trtllm weight's physical row order (``p32``,
+    as the wgmma kernel stores them with ``phys_partials``) writes each sum to its logical row:
+    physical row p of a 32-row group holds logical row 4 * (p % 8) + p // 8. The same sums, bit
+    for bit, as partials stored in logical order; bias by logical row; 3 rows x 96 columns, 5
+    splits (the first, then 2, 4 or 8 per round trip: two chunks, one, one with masked loads), over
+    two programs."""
+    import dataclasses
+
+    import mxfp8_convert.runtime.triton_mxfp8 as tri
+
+    m, n, splits = 3, 96, 5
+    logical = torch.randn(splits, m, n)
+    p = torch.arange(n)
+    lrow = p - p % 32 + 4 * (p % 8) + p % 32 // 8
+    assert sorted(lrow.tolist()) == list(range(n))
+    physical = logical[:, :, lrow]  # physical row p holds logical row lrow[p]
+    bias = torch.randn(n)
+    cfg = dataclasses.replace(tri.GemmConfig(64, 16, 128, split_k=splits), red_chunk=chunk)
+    outs = []
+    for ws, p32 in ((logical, False), (physical, True)):
+        out = torch.full((m, n), float("nan"))
+        tri._reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, p32=p32, block=128)
+        outs.append(out)
+    expected = logical[0].clone()
+    for s in range(1, splits):
+        expected += logical[s]
+    if has_bias:
+        expected += bias
+    assert torch.equal(outs[0], expected) and torch.equal(outs[1], expected)
