@@ -946,7 +946,8 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     vs 7.6). Programmatic dependent
     launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
     x1.17 bf16 with it, x1.39 without: the next call's programs, launched early into the free
-    slots, end up unevenly spread).
+    slots, end up unevenly spread), with the weight prefetch, early release and physical-order
+    partials of :func:`_launch_options` (ninth session).
     """
     if m > 16 or k % 128 or device.type != "cuda" or torch.cuda.get_device_capability(device)[0] != 9:
         return None
