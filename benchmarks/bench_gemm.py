@@ -331,7 +331,9 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
             if rule.phys_partials:  # second reduction kernel
                 out["-release"] = rep(rule, red_release=False)  # the next GEMM launches when it exits
                 out["-phys"] = rep(rule, phys_partials=False)  # partials in logical row order
-                out["-chunk"] = rep(rule, red_chunk=min(16, max(4, 1 << (rule.split_k - 1).bit_length())))
+                import triton  # wgmma_config's chunk: partial 0 and the rest in chunks of next_pow2(split)
+
+                out["-chunk"] = rep(rule, red_chunk=min(16, max(4, triton.next_power_of_2(rule.split_k))))
                 out["eighth"] = rep(out["-chunk"], prefetch=False, red_release=False, phys_partials=False)
         return out
     if sweep != "wgmma":
