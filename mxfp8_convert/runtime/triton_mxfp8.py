@@ -876,6 +876,10 @@ WGMMA_CLUSTER_MAX_TILES = 32
 WGMMA_WIDE_CLUSTER = 4
 WGMMA_WIDE_PER_SM = (1.5, 2.0)
 WGMMA_HUGE_WEIGHT = 64_000_000
+#: At M = 9..16, where a second kernel sums the partials, K is split into splits of this many
+#: K-tiles each where that is 2-8 splits of at most :data:`WGMMA_EVEN_PER_SM` programs per SM.
+WGMMA_SPLIT_TILES = 4
+WGMMA_EVEN_PER_SM = 4
 
 
 def _driver_cuda_version() -> tuple[int, int] | None:
@@ -943,7 +947,11 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     (:data:`WGMMA_TWO_KERNEL_SPLIT`), at M = 9..16 wherever K is split, except more than 8 ways on
     a weight under 8 M (sixth session, call 3: Qwen down_proj 10 splits 13.1 us vs 15.4, DeepSeek
     o_proj 39.9 vs 43.6, q_a 9.6 vs 10.1, Llama k_proj 6.9 vs 7.4; DeepSeek kv_a, 14 splits, 7.9
-    vs 7.6). Programmatic dependent
+    vs 7.6). There, where K divides into 2-8 splits of 4 K-tiles (:data:`WGMMA_SPLIT_TILES`) that
+    make at most 4 programs per SM, those splits instead of the waves' (tenth session, three runs:
+    Llama q_proj 8.5-8.6 us vs 9.2-9.3 with 5 splits of up to 7 K-tiles, Llama o_proj 8.5-8.8 vs
+    9.2-9.5, Qwen o_proj 6.9 vs 7.3-7.4 with 7 of up to 5; Qwen q_proj keeps its 5 of 4; Qwen
+    gate_up, 5 x 152 row tiles, measured 12.5-12.6 vs 11.8-12.0 with 3 of up to 7). Programmatic dependent
     launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
     x1.17 bf16 with it, x1.39 without: the next call's programs, launched early into the free
     slots, end up unevenly spread), with the weight prefetch, early release and physical-order
@@ -978,6 +986,10 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
         two_kernel = m >= 5 and 1 < cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT and WGMMA_SMALL_WEIGHT <= size < WGMMA_HUGE_WEIGHT
     else:  # 16-column partials: summed by a second kernel, but for many splits of a small weight
         two_kernel = cfg.split_k > 1 and (size >= WGMMA_SMALL_WEIGHT or cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT)
+        even = k // 128 // WGMMA_SPLIT_TILES  # splits of WGMMA_SPLIT_TILES K-tiles each
+        if (two_kernel and even * WGMMA_SPLIT_TILES * 128 == k and 2 <= even <= WGMMA_TWO_KERNEL_SPLIT
+                and tiles * even <= WGMMA_EVEN_PER_SM * _num_sms(device)):
+            cfg = dataclasses.replace(cfg, split_k=even)
     return _launch_options(dataclasses.replace(cfg, serial_reduce=not two_kernel), m, device)
 
 

@@ -259,8 +259,14 @@ def test_wgmma_rule_table(monkeypatch):
     assert rule(8, *mid) == expect(8, *mid, 3, serial=False) and rule(5, *mid) == expect(5, *mid, 3, serial=False)
     assert rule(8, *small) == expect(8, *small, 2) and rule(8, *huge) == expect(8, *huge, 3)
     assert expect(8, *small, 2)[2] > tri.WGMMA_TWO_KERNEL_SPLIT and 1 < expect(8, *huge, 3)[2] <= 8
-    assert rule(16, *mid) == expect(16, *mid, 2, serial=False) and rule(9, *qwen_q) == expect(9, *qwen_q, 2, serial=False)
+    assert rule(9, *qwen_q) == expect(9, *qwen_q, 2, serial=False) and expect(9, *qwen_q, 2)[2] == 5  # 5 x 4 K-tiles
     assert rule(16, *qwen_mlp) == expect(16, *qwen_mlp, 3, serial=False)
+    # ... there K in splits of 4 K-tiles where that is 2-8 splits of at most 4 programs per SM:
+    # 16.8 M (64 row tiles) and Qwen o_proj (40) 8 splits, where the waves give 5 and 7 of up to 7 and 5
+    for m, shape in ((16, mid), (9, mid), (16, (2560, 4096))):
+        assert rule(m, *shape) == (True, 2, 8, False, True) and expect(m, *shape, 2)[2] in (5, 7)
+    # not Qwen gate_up (152 row tiles x 5 splits > 4 per SM: 3 splits), nor M <= 8
+    assert expect(16, *qwen_mlp, 3)[2] == 3 and rule(8, *mid)[2] == 7
     # M = 9..16: a second kernel wherever K is split (132 M: 2 splits), but for more than 8 splits
     # of a small weight (DeepSeek kv_a, 4.1 M: 14)
     assert rule(16, *huge) == expect(16, *huge, 3, serial=False) and expect(16, *huge, 3)[2] == 2
@@ -315,7 +321,7 @@ def test_wgmma_rule_table(monkeypatch):
     assert options(8, *mid, cluster=True) == (True, False, False)  # a cluster: no second kernel
     assert options(16, *large) == (False, False, False)  # K unsplit at M > 8: no PDL
     monkeypatch.setenv("MXFP8_PDL", "strict")  # PDL with every memory access after the wait
-    assert rule(16, *mid) == expect(16, *mid, 2, serial=False) and options(16, *mid) == (False, True, True)
+    assert rule(16, *mid) == (True, 2, 8, False, True) and options(16, *mid) == (False, True, True)
     monkeypatch.setenv("MXFP8_PDL", "0")  # without PDL: the same configs unlaunched as dependents, GEMV at M = 1
     assert rule(4, *mid) == expect(4, *mid, 3, pdl=False) and rule(1, *small) is None
     assert options(16, *mid) == (False, False, True)
