@@ -212,6 +212,18 @@ def _rescale(acc, part, sw_word, sx, j: gl.constexpr):
 
 
 @gluon.jit
+def _logical_rows(rows, LAYOUT: gl.constexpr):
+    """The logical rows held by physical weight rows ``rows``: trtllm (``LAYOUT == 1``) row p holds
+    logical row ``32*(p//32) + 4*(q%8) + q//8``, q = p % 32 (the P32 shuffle; the second
+    reduction kernel's ``P32`` applies the same map); cutlass rows are logical."""
+    if LAYOUT == 1:
+        q = rows % 32
+        return rows - q + 4 * (q % 8) + q // 8
+    else:
+        return rows
+
+
+@gluon.jit
 def _store_tile(acc, b_ptr, out_ptr, off, mask, lrows, N, HAS_BIAS: gl.constexpr):
     """Store a program's whole ``[BN, BM]`` result (+ the bias of its logical rows ``lrows``) at
     ``out_ptr + off``, in the output's dtype."""
@@ -364,11 +376,7 @@ def _wgmma_decode_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    if LAYOUT == 1:  # trtllm: physical row p holds logical row 32*(p//32) + 4*(q%8) + q//8, q = p%32
-        q = rows % 32
-        lrows = rows - q + 4 * (q % 8) + q // 8
-    else:
-        lrows = rows
+    lrows = _logical_rows(rows, LAYOUT)
     mask = gl.expand_dims(lrows < N, 1) & gl.expand_dims(cols < M, 0)
     off = gl.expand_dims(cols.to(gl.int64), 0) * stride_om + gl.expand_dims(lrows, 1)
     # partials summed in this kernel (SERIAL), or by a second kernel that maps the rows (PHYS),
@@ -389,10 +397,7 @@ def _wgmma_decode_kernel(
             for r in gl.static_range(CLUSTER):
                 total = total + _exchange_load(gl.minimum(e, BN * BM - 1) * 4, gl.full([RED_E], r, gl.int32, red_l))
             _cluster_sync()  # the others' shared memory stays until it was read
-            pr = p0 + e // BM
-            if LAYOUT == 1:
-                pq = pr % 32
-                pr = pr - pq + 4 * (pq % 8) + pq // 8
+            pr = _logical_rows(p0 + e // BM, LAYOUT)
             ec = e % BM
             ok = ok & (pr < N) & (ec < M)
             if HAS_BIAS:
