@@ -464,6 +464,7 @@ def decode_rows(shapes, ms, layouts, sweep: bool | str) -> list[dict]:
                 print(f"{name:32s} M={m:3d} reading the fp8 weight alone {t_read * 1e3:8.1f} us  "
                       f"bf16 {t_bf16 * 1e3:8.1f} us  x{t_bf16 / t_read:.2f} (the ceiling)", flush=True)
             for lay in layouts:
+                first = None  # the rule's output: are the other variants' bits the same?
                 for vname, cfg in decode_variants(m, n, k, sweep).items():
                     if lay != layouts[0] and vname not in ("rule", "old"):
                         continue  # alternatives on the first layout only (the layouts differ in row indexing)
@@ -477,15 +478,19 @@ def decode_rows(shapes, ms, layouts, sweep: bool | str) -> list[dict]:
                         continue
                     unwritten = int(out.isnan().sum())
                     err = float((out.double() - ref).norm() / ref.norm())
+                    first = out if first is None else first
+                    same = bool(torch.equal(out, first))
                     wbytes = n * k * 1.03125
                     rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": lay, "variant": vname,
                                  "us": t * 1e3, "bf16_us": t_bf16 * 1e3, "ratio": t_bf16 / t, "rel_err": err,
                                  "unwritten": unwritten, "weight_tbps": wbytes / t / 1e9,
-                                 "bf16_tbps": n * k * 2 / t_bf16 / 1e9, "config": cfg.to_dict()})
+                                 "bf16_tbps": n * k * 2 / t_bf16 / 1e9, "same_bits_as_rule": same,
+                                 "config": cfg.to_dict()})
                     r = rows[-1]
                     print(f"{name:32s} M={m:3d} {lay:8s} {vname:16s} {r['us']:8.1f} us  bf16 {r['bf16_us']:8.1f} us  "
                           f"x{r['ratio']:.2f}  {r['weight_tbps']:.2f} TB/s  err {err:.1e}"
-                          + (f"  UNWRITTEN {unwritten}" if unwritten else ""), flush=True)
+                          + (f"  UNWRITTEN {unwritten}" if unwritten else "") + ("" if same else "  BITS DIFFER"),
+                          flush=True)
             del xs, x
         del wbf, wbfs, mx, ws, wref
         torch.cuda.empty_cache()
