@@ -948,10 +948,10 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     a weight under 8 M (sixth session, call 3: Qwen down_proj 10 splits 13.1 us vs 15.4, DeepSeek
     o_proj 39.9 vs 43.6, q_a 9.6 vs 10.1, Llama k_proj 6.9 vs 7.4; DeepSeek kv_a, 14 splits, 7.9
     vs 7.6). There, where K divides into 2-8 splits of 4 K-tiles (:data:`WGMMA_SPLIT_TILES`) that
-    make at most 4 programs per SM, those splits instead of the waves' (tenth session, three runs:
-    Llama q_proj 8.5-8.6 us vs 9.2-9.3 with 5 splits of up to 7 K-tiles, Llama o_proj 8.5-8.8 vs
+    make at most 4 programs per SM, those splits instead of the waves' (tenth session, four runs:
+    Llama q_proj 8.5-8.6 us vs 9.1-9.3 with 5 splits of up to 7 K-tiles, Llama o_proj 8.5-8.8 vs
     9.2-9.5, Qwen o_proj 6.9 vs 7.3-7.4 with 7 of up to 5; Qwen q_proj keeps its 5 of 4; Qwen
-    gate_up, 5 x 152 row tiles, measured 12.5-12.6 vs 11.8-12.0 with 3 of up to 7). Programmatic dependent
+    gate_up, 5 x 152 row tiles, measured 12.5-12.8 vs 11.8-12.0 with 3 of up to 7). Programmatic dependent
     launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
     x1.17 bf16 with it, x1.39 without: the next call's programs, launched early into the free
     slots, end up unevenly spread), with the weight prefetch, early release and physical-order
