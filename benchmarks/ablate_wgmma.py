@@ -39,7 +39,7 @@ def _kernel():
     from triton.experimental.gluon import language as gl
 
     from mxfp8_convert.runtime import gluon_mxfp8 as g
-    from mxfp8_convert.runtime.triton_mxfp8 import _pow2_f32
+    from mxfp8_convert.runtime.triton_mxfp8 import _pow2_f32, _scale_row_base
 
     @gluon.jit
     def ablated(
@@ -69,7 +69,7 @@ def _kernel():
         for s in gl.static_range(STAGES - 1):
             g._issue_tile(w_desc, None, w_s, x_s, bars.index(s), s, p0, (kt0 + s) * 128, s < n_it, False)
         rows = p0 + gl.arange(0, BN, layout=row_l)
-        sw_ptrs = s_ptr + (rows // 128).to(gl.int64) * (scale_cp4 * 128) + (rows % 32) * 4 + (rows % 128) // 32
+        sw_ptrs = s_ptr + _scale_row_base(rows, 0, scale_cp4, LAYOUT)
         cols = gl.arange(0, BM, layout=col_l)
         acc = gl.zeros([BN, BM], gl.float32, acc_l)
         zero = gl.zeros([BN, BM], gl.float32, acc_l)

@@ -74,7 +74,9 @@ from mxfp8_convert.runtime.triton_mxfp8 import (
     CLUSTER_SIZES,
     _cdiv,
     _next_pow2,
+    _p32_logical,
     _pow2_f32,
+    _scale_row_base,
     _ue8m0_code,
 )
 from mxfp8_convert.runtime.weight import MXFP8Weight
@@ -212,18 +214,6 @@ def _rescale(acc, part, sw_word, sx, j: gl.constexpr):
 
 
 @gluon.jit
-def _logical_rows(rows, LAYOUT: gl.constexpr):
-    """The logical rows held by physical weight rows ``rows``: trtllm (``LAYOUT == 1``) row p holds
-    logical row ``32*(p//32) + 4*(q%8) + q//8``, q = p % 32 (the P32 shuffle; the second
-    reduction kernel's ``P32`` applies the same map); cutlass rows are logical."""
-    if LAYOUT == 1:
-        q = rows % 32
-        return rows - q + 4 * (q % 8) + q // 8
-    else:
-        return rows
-
-
-@gluon.jit
 def _store_tile(acc, b_ptr, out_ptr, off, mask, lrows, N, HAS_BIAS: gl.constexpr):
     """Store a program's whole ``[BN, BM]`` result (+ the bias of its logical rows ``lrows``) at
     ``out_ptr + off``, in the output's dtype."""
@@ -277,8 +267,7 @@ def _wgmma_decode_kernel(
         _issue_tile(w_desc, x_desc, w_s, x_s, bars.index(s), s, p0, (kt0 + s) * 128, s < n_it, not FUSE_QUANT)
 
     rows = p0 + gl.arange(0, BN, layout=row_l)  # physical rows (< the 128-row padded scale rows)
-    # 128x4 word offset of (row, scale column 0): (r//128)*(Cp/4)*128 + (r%32)*4 + (r%128)//32
-    sw_ptrs = s_ptr + (rows // 128).to(gl.int64) * (scale_cp4 * 128) + (rows % 32) * 4 + (rows % 128) // 32
+    sw_ptrs = s_ptr + _scale_row_base(rows, 0, scale_cp4, LAYOUT)  # 128x4 word of (row, scale column 0)
     cols = gl.arange(0, BM, layout=col_l)
 
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
@@ -376,7 +365,7 @@ def _wgmma_decode_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    lrows = _logical_rows(rows, LAYOUT)
+    lrows = _p32_logical(rows) if LAYOUT == 1 else rows  # trtllm rows are P32-shuffled, cutlass ones logical
     mask = gl.expand_dims(lrows < N, 1) & gl.expand_dims(cols < M, 0)
     off = gl.expand_dims(cols.to(gl.int64), 0) * stride_om + gl.expand_dims(lrows, 1)
     # partials summed in this kernel (SERIAL), or by a second kernel that maps the rows (PHYS),
@@ -397,7 +386,7 @@ def _wgmma_decode_kernel(
             for r in gl.static_range(CLUSTER):
                 total = total + _exchange_load(gl.minimum(e, BN * BM - 1) * 4, gl.full([RED_E], r, gl.int32, red_l))
             _cluster_sync()  # the others' shared memory stays until it was read
-            pr = _logical_rows(p0 + e // BM, LAYOUT)
+            pr = _p32_logical(p0 + e // BM) if LAYOUT == 1 else p0 + e // BM
             ec = e % BM
             ok = ok & (pr < N) & (ec < M)
             if HAS_BIAS:

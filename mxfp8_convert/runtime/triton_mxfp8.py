@@ -172,6 +172,16 @@ def _scale_row_base(rows, scale_c, scale_cp4, LAYOUT: tl.constexpr):
 
 
 @triton.jit
+def _p32_logical(rows):
+    """The logical rows held by physical rows ``rows`` of a trtllm weight: physical row p holds
+    logical row ``32*(p//32) + 4*(q%8) + q//8``, q = p % 32 (the inverse of the gather
+    ``32*(l//32) + 8*(l%4) + (l%32)//4`` in the module docstring; the P32 shuffle stays within
+    32-row groups). Also called by the Gluon kernel's epilogues."""
+    q = rows % 32
+    return rows - q + 4 * (q % 8) + q // 8
+
+
+@triton.jit
 def _load_codes(s_base, kt, BLOCK_K: tl.constexpr, LAYOUT: tl.constexpr):
     """int32 UE8M0 codes [BN, BLOCK_K/32] of K-tile ``kt``.
 
@@ -304,9 +314,9 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, out_ptr, N, total, stride_ps, split_k,
             gdc_launch_dependents()
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < total
-    # P32: the partials' rows are the trtllm weight's physical rows (N % 32 == 0): physical row p
-    # holds logical row 32*(p//32) + 4*(q%8) + q//8, q = p%32, within the same 64 output bytes
-    dst = offs - offs % 32 + 4 * (offs % 8) + offs % 32 // 8 if P32 else offs
+    # P32: the partials' rows are the trtllm weight's physical rows (N % 32 == 0), mapped to their
+    # logical rows within the same 64 output bytes
+    dst = _p32_logical(offs) if P32 else offs
     if HAS_BIAS:
         bias = tl.load(b_ptr + dst % N, mask=mask, other=0.0).to(tl.float32)
     acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
