@@ -386,7 +386,8 @@ def _wgmma_decode_kernel(
             for r in gl.static_range(CLUSTER):
                 total = total + _exchange_load(gl.minimum(e, BN * BM - 1) * 4, gl.full([RED_E], r, gl.int32, red_l))
             _cluster_sync()  # the others' shared memory stays until it was read
-            pr = _p32_logical(p0 + e // BM) if LAYOUT == 1 else p0 + e // BM
+            pr = p0 + e // BM  # physical rows, then logical
+            pr = _p32_logical(pr) if LAYOUT == 1 else pr
             ec = e % BM
             ok = ok & (pr < N) & (ec < M)
             if HAS_BIAS:
