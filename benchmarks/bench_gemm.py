@@ -336,6 +336,21 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
                 out["-chunk"] = rep(rule, red_chunk=min(16, max(4, triton.next_power_of_2(rule.split_k))))
                 out["eighth"] = rep(out["-chunk"], prefetch=False, red_release=False, phys_partials=False)
         return out
+    if sweep == "split":  # M = 9..16, second-kernel reduction: other splits, programs of 64 or 128 rows
+        import dataclasses
+
+        import triton
+
+        from mxfp8_convert.runtime.triton_mxfp8 import _no_empty_splits
+
+        rule, rep = out["rule"], dataclasses.replace
+        if rule.wgmma and m > 8 and rule.split_k > 1 and not (rule.cluster or rule.serial_reduce):
+            for bn in (64, 128):
+                for split in sorted({_no_empty_splits(k // 128, s) for s in range(2, 17)}):
+                    if (bn, split) != (rule.block_n, rule.split_k) and 2 <= split <= 16:
+                        out[f"b{bn}.s{split}"] = rep(rule, block_n=bn, num_warps=bn // 16, split_k=split,
+                                                     red_chunk=min(16, triton.next_power_of_2(split - 1)))
+        return out
     if sweep != "wgmma":
         out["old"] = choose_config(m, n, k, dev, decode=False)
     else:  # the Gluon kernel: the rule, cluster reductions x programs per SM
@@ -639,6 +654,9 @@ def main() -> None:
     p.add_argument("--pdl-options", action="store_true",
                    help="decode: time the wgmma rule without each of its PDL options (weight prefetch, "
                    "early release by the reduction kernel, physical-order partials)")
+    p.add_argument("--split-options", action="store_true",
+                   help="decode: time the wgmma rule's M = 9..16 second-kernel rows with the other splits, in "
+                   "programs of 64 and 128 weight rows")
     p.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--layouts", default="trtllm,cutlass", help="gemm: layouts to time (comma-separated)")
@@ -674,7 +692,8 @@ def main() -> None:
     elif args.mode == "decode":
         ms = [int(m) for m in args.ms.split(",")] if args.ms != ",".join(map(str, MS)) else list(DECODE_MS)
         layouts = ("trtllm", "cutlass")
-        sweep = "grid" if args.grid else "wgmma" if args.wgmma else "pdl" if args.pdl_options else args.sweep
+        sweep = ("grid" if args.grid else "wgmma" if args.wgmma else "pdl" if args.pdl_options
+                 else "split" if args.split_options else args.sweep)
         result["rows"] = decode_rows(shapes, ms, layouts, sweep)
         (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
         decode_summary(result["rows"])

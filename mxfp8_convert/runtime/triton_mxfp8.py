@@ -882,7 +882,8 @@ WGMMA_TWO_KERNEL_SPLIT = 8
 #: on weights of at most this many 64-row tiles (:func:`wgmma_rule`).
 WGMMA_CLUSTER_MAX_TILES = 32
 #: At M = 9..16, programs of 128 weight rows (two warpgroups; their registers allow two per SM)
-#: in clusters of this many, where that makes :data:`WGMMA_WIDE_PER_SM` programs per SM.
+#: in clusters of this many, where that makes :data:`WGMMA_WIDE_PER_SM` programs per SM; where a
+#: second kernel sums the partials, with the split that makes that many (:func:`_wide_split`).
 WGMMA_WIDE_CLUSTER = 4
 WGMMA_WIDE_PER_SM = (1.5, 2.0)
 WGMMA_HUGE_WEIGHT = 64_000_000
@@ -961,7 +962,14 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     make at most 4 programs per SM, those splits instead of the waves' (tenth session, four runs:
     Llama q_proj 8.5-8.6 us vs 9.1-9.3 with 5 splits of up to 7 K-tiles, Llama o_proj 8.5-8.8 vs
     9.2-9.5, Qwen o_proj 6.9 vs 7.3-7.4 with 7 of up to 5; Qwen q_proj keeps its 5 of 4; Qwen
-    gate_up, 5 x 152 row tiles, measured 12.5-12.8 vs 11.8-12.0 with 3 of up to 7). Programmatic dependent
+    gate_up, 5 x 152 row tiles, measured 12.5-12.8 vs 11.8-12.0 with 3 of up to 7). Before both,
+    where a split into at least 4 K-tiles each makes programs of 128 rows 1.5-2 per SM
+    (:func:`_wide_split`), those (eleventh session, two runs each: Llama q_proj 8 splits 8.13 /
+    8.18 us vs 8.61 / 8.50, o_proj 8.22 / 8.12 vs 8.57 / 8.46, down_proj 8 splits 20.5 / 20.3 vs
+    21.6 / 21.7, gate_up 2 splits 21.7 / 21.2 vs 23.8 / 23.3, Qwen gate_up 3 splits 11.2 / 11.2 vs
+    11.9 / 11.7, down_proj 13 splits 11.3 / 11.3 vs 12.3 / 12.2; not where only 3 K-tiles a split
+    make that many: Qwen o_proj 11 splits 7.14 / 7.15 vs 6.93 / 6.91, q_proj 7 splits 6.78 / 6.86
+    vs 6.86 / 6.86). Programmatic dependent
     launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
     x1.17 bf16 with it, x1.39 without: the next call's programs, launched early into the free
     slots, end up unevenly spread), with the weight prefetch, early release and physical-order
@@ -997,10 +1005,23 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     else:  # 16-column partials: summed by a second kernel, but for many splits of a small weight
         two_kernel = cfg.split_k > 1 and (size >= WGMMA_SMALL_WEIGHT or cfg.split_k <= WGMMA_TWO_KERNEL_SPLIT)
         even = k // 128 // WGMMA_SPLIT_TILES  # splits of WGMMA_SPLIT_TILES K-tiles each
-        if (two_kernel and even * WGMMA_SPLIT_TILES * 128 == k and 2 <= even <= WGMMA_TWO_KERNEL_SPLIT
+        if two_kernel and (wide := _wide_split(n, k, device)):  # 128-row programs, 1.5-2 per SM
+            cfg = dataclasses.replace(cfg, block_n=128, num_warps=8, split_k=wide)
+        elif (two_kernel and even * WGMMA_SPLIT_TILES * 128 == k and 2 <= even <= WGMMA_TWO_KERNEL_SPLIT
                 and tiles * even <= WGMMA_EVEN_PER_SM * _num_sms(device)):
             cfg = dataclasses.replace(cfg, split_k=even)
     return _launch_options(dataclasses.replace(cfg, serial_reduce=not two_kernel), m, device)
+
+
+def _wide_split(n: int, k: int, device: torch.device) -> int:
+    """At M = 9..16, where a second kernel sums the partials: the largest split of K (2..16, none
+    empty) into splits of at least :data:`WGMMA_SPLIT_TILES` K-tiles that gives programs of 128
+    weight rows :data:`WGMMA_WIDE_PER_SM` programs per SM; 0 where none does."""
+    k_tiles, pairs, sms = k // 128, _cdiv(n, 128), _num_sms(device)
+    lo, hi = WGMMA_WIDE_PER_SM
+    fits = [s for s in {_no_empty_splits(k_tiles, s) for s in range(2, 17)}
+            if s >= 2 and _cdiv(k_tiles, s) >= WGMMA_SPLIT_TILES and lo <= pairs * s / sms <= hi]
+    return max(fits, default=0)
 
 
 def _launch_options(cfg: GemmConfig, m: int, device: torch.device) -> GemmConfig:

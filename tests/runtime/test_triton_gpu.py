@@ -212,6 +212,10 @@ def test_wgmma_configs_agree(layout, n, m):
             assert cfg.block_n == 128 and cfg.split_k > 1
             assert torch.equal(_check_twice(tri, x, w, bias, ref, cfg),
                                _check_twice(tri, x, w, bias, ref, dataclasses.replace(cfg, block_n=64, num_warps=4)))
+            if not serial and tri.pdl_enabled(dev):  # with the rule's options for a second kernel (M = 9..16)
+                opts = dataclasses.replace(cfg, pdl=True, prefetch=True, red_release=True, phys_partials=True)
+                assert torch.equal(_check_twice(tri, x, w, bias, ref, opts), _check_twice(
+                    tri, x, w, bias, ref, dataclasses.replace(opts, block_n=64, num_warps=4)))
         unsplit = tri.wgmma_config(m, n, k, dev, waves=0.01, fuse_quant=True, block_n=128)
         assert torch.equal(_check_twice(tri, x, w, bias, ref, unsplit),
                            _check_twice(tri, x, w, bias, ref, dataclasses.replace(unsplit, block_n=64, num_warps=4)))
@@ -410,6 +414,7 @@ def test_wgmma_is_the_rule_where_measured_faster():
     assert tri.choose_config(16, 1024, 4096, dev).cluster and tri.choose_config(16, 576, 7168, dev).cluster
     cfg = tri.choose_config(16, 4096, 4096, dev)
     assert cfg.wgmma and not cfg.cluster and cfg.split_k > 1 and not cfg.serial_reduce
+    assert (cfg.block_n, cfg.split_k) == (128, 8)  # 1.94 programs of 128 rows per SM, 4 K-tiles each
     # with PDL the weight's first tile is loaded before the wait, and the second kernel (summing
     # physical-order partials) lets the next kernel launch once the partials are complete
     assert (cfg.prefetch, cfg.red_release, cfg.phys_partials) == (pdl, pdl, True)

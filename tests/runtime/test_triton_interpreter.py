@@ -293,13 +293,33 @@ def test_wgmma_rule_table(monkeypatch):
         for k in (2048, 16384, 18432):
             cfg = tri.wgmma_rule(m, 7168, k, dev)
             assert (cfg.block_n, cfg.num_warps, cfg.cluster, cfg.split_k, cfg.pdl) == (128, 8, True, 4, True)
-        assert tri.wgmma_rule(m, 7168, 2048, dev, cluster=False).block_n == 64
+        glob = tri.wgmma_rule(m, 7168, 2048, dev, cluster=False)  # without clusters: the same programs and split,
+        assert (glob.block_n, glob.split_k, glob.cluster) == (128, 4, False)  # summed by a second kernel
     assert tri.wgmma_rule(8, 7168, 2048, dev).block_n == 64  # M <= 8: 64-row clusters
     assert tri.wgmma_rule(16, 7168, 512, dev).block_n == 64  # 4 K-tiles: too few to split 4 ways
     for n in (6272, 8576):  # 49 x 4 = 196 programs (1.48 per SM); 67 x 4 = 268 (2.03); 50 and 66 x 4 fit
-        assert tri.wgmma_rule(16, n, 2048, dev).block_n == 64
+        cfg = tri.wgmma_rule(16, n, 2048, dev)
+        assert not (cfg.cluster and cfg.block_n == 128)  # (67 x 3 = 201 through global memory, below)
     assert tri.wgmma_rule(16, 6400, 2048, dev).block_n == tri.wgmma_rule(16, 8448, 2048, dev).block_n == 128
-    assert all(tri.wgmma_rule(16, n, k, dev).block_n == 64 for n, k in (small, mid, qwen_q, qwen_mlp, large, huge))
+    assert all(tri.wgmma_rule(16, n, k, dev).block_n == 64 for n, k in (small, qwen_q, large, huge))
+    # where a second kernel sums the partials, 128-row programs with the largest split of at least
+    # 4 K-tiles that makes 1.5-2 of them per SM (eleventh session): Llama q/o_proj and down_proj
+    # 8 splits (256 programs), gate_up 2 (224); Qwen gate_up 3 (228), down_proj 13 (260)
+    for m in (9, 16):
+        for (n, k), split in ((mid, 8), ((4096, 14336), 8), ((14336, 4096), 2), (qwen_mlp, 3), ((2560, 9728), 13),
+                              ((4352, 4096), 7)):  # 34 x 8 = 272 programs (2.06 per SM): 7 splits of 5 K-tiles
+            for clusters in (True, False):
+                cfg = tri.wgmma_rule(m, n, k, dev, cluster=clusters)
+                assert (cfg.block_n, cfg.num_warps, cfg.split_k, cfg.cluster, cfg.serial_reduce) == (
+                    128, 8, split, False, False), (m, n, k)
+                assert cfg.pdl and cfg.red_release and cfg.phys_partials
+                assert cfg.red_chunk == min(16, 1 << (split - 2).bit_length())  # next power of two of split - 1
+        # not where only 3 K-tiles a split give 1.5-2 per SM (Qwen q_proj: 7 x 32 = 224; o_proj: 11 x 20
+        # = 220), nor 144 x 2 = 288 (DeepSeek gate_up, 2.18 per SM): the 64-row rule's splits
+        for (n, k), split in ((qwen_q, 5), ((2560, 4096), 8), (huge, 2)):
+            cfg = tri.wgmma_rule(m, n, k, dev)
+            assert (cfg.block_n, cfg.split_k) == (64, split), (m, n, k)
+    assert tri.wgmma_rule(8, *mid, dev, cluster=False).block_n == 64  # M <= 8: 64-row programs
     assert expect(4, *mid, 2) != expect(4, *mid, 3)  # the waves are told apart
     # partials loaded per round trip: all of them up to 16 (at least 4)
     chunks = {tri.wgmma_rule(m, *shape, dev, cluster=False).split_k: tri.wgmma_rule(m, *shape, dev, cluster=False).red_chunk
