@@ -659,7 +659,7 @@ def main() -> None:
                    "programs of 64 and 128 weight rows")
     p.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--layouts", default="trtllm,cutlass", help="gemm: layouts to time (comma-separated)")
+    p.add_argument("--layouts", default="trtllm,cutlass", help="gemm, decode: layouts to time (comma-separated)")
     p.add_argument("--chunks", default="", help="gemm: also time the cuBLAS path with these workspaces "
                    "(M elements, comma-separated)")
     p.add_argument("--vs-tile", action="store_true",
@@ -691,7 +691,7 @@ def main() -> None:
         gemm_summary(result["rows"])
     elif args.mode == "decode":
         ms = [int(m) for m in args.ms.split(",")] if args.ms != ",".join(map(str, MS)) else list(DECODE_MS)
-        layouts = ("trtllm", "cutlass")
+        layouts = tuple(args.layouts.split(","))  # alternatives on the first
         sweep = ("grid" if args.grid else "wgmma" if args.wgmma else "pdl" if args.pdl_options
                  else "split" if args.split_options else args.sweep)
         result["rows"] = decode_rows(shapes, ms, layouts, sweep)

@@ -967,7 +967,7 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     (:func:`_wide_split`), those (eleventh session, two runs each: Llama q_proj 8 splits 8.13 /
     8.18 us vs 8.61 / 8.50, o_proj 8.22 / 8.12 vs 8.57 / 8.46, down_proj 8 splits 20.5 / 20.3 vs
     21.6 / 21.7, gate_up 2 splits 21.7 / 21.2 vs 23.8 / 23.3, Qwen gate_up 3 splits 11.2 / 11.2 vs
-    11.9 / 11.7, down_proj 13 splits 11.3 / 11.3 vs 12.3 / 12.2; not where only 3 K-tiles a split
+    11.9 / 11.7, down_proj 11 splits 11.1 / 11.1 vs 12.3 / 12.2; not where only 3 K-tiles a split
     make that many: Qwen o_proj 11 splits 7.14 / 7.15 vs 6.93 / 6.91, q_proj 7 splits 6.78 / 6.86
     vs 6.86 / 6.86). Programmatic dependent
     launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
@@ -1014,14 +1014,17 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
 
 
 def _wide_split(n: int, k: int, device: torch.device) -> int:
-    """At M = 9..16, where a second kernel sums the partials: the largest split of K (2..16, none
-    empty) into splits of at least :data:`WGMMA_SPLIT_TILES` K-tiles that gives programs of 128
-    weight rows :data:`WGMMA_WIDE_PER_SM` programs per SM; 0 where none does."""
+    """At M = 9..16, where a second kernel sums the partials: a split of K (2..16, none empty) into
+    splits of at least :data:`WGMMA_SPLIT_TILES` K-tiles that gives programs of 128 weight rows
+    :data:`WGMMA_WIDE_PER_SM` programs per SM, 0 where none does. Of those, the one whose splits
+    are the most even (a row tile's programs last as long as its longest split), then the most
+    programs: Qwen down_proj (76 K-tiles) 11 splits of up to 7, not 13 of up to 6 (eleventh
+    session: 11.06-11.34 us vs 11.27-12.89, both layouts)."""
     k_tiles, pairs, sms = k // 128, _cdiv(n, 128), _num_sms(device)
     lo, hi = WGMMA_WIDE_PER_SM
     fits = [s for s in {_no_empty_splits(k_tiles, s) for s in range(2, 17)}
             if s >= 2 and _cdiv(k_tiles, s) >= WGMMA_SPLIT_TILES and lo <= pairs * s / sms <= hi]
-    return max(fits, default=0)
+    return max(fits, key=lambda s: (k_tiles / (s * _cdiv(k_tiles, s)), s), default=0)
 
 
 def _launch_options(cfg: GemmConfig, m: int, device: torch.device) -> GemmConfig:
