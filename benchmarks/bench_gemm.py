@@ -341,7 +341,7 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
 
         import triton
 
-        from mxfp8_convert.runtime.triton_mxfp8 import _no_empty_splits
+        from mxfp8_convert.runtime.triton_mxfp8 import CLUSTER_SIZES, _no_empty_splits
 
         rule, rep = out["rule"], dataclasses.replace
         if rule.wgmma and m > 8 and rule.split_k > 1 and not (rule.cluster or rule.serial_reduce):
@@ -350,6 +350,10 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
                     if (bn, split) != (rule.block_n, rule.split_k) and 2 <= split <= 16:
                         out[f"b{bn}.s{split}"] = rep(rule, block_n=bn, num_warps=bn // 16, split_k=split,
                                                      red_chunk=min(16, triton.next_power_of_2(split - 1)))
+                for size in CLUSTER_SIZES[:-1]:  # the splits of a row tile as one cluster (K split evenly)
+                    if size * 2 <= k // 128:
+                        out[f"b{bn}.cl{size}"] = rep(rule, block_n=bn, num_warps=bn // 16, split_k=size, cluster=True,
+                                                     red_release=False, phys_partials=False)
         return out
     if sweep != "wgmma":
         out["old"] = choose_config(m, n, k, dev, decode=False)
@@ -656,7 +660,7 @@ def main() -> None:
                    "early release by the reduction kernel, physical-order partials)")
     p.add_argument("--split-options", action="store_true",
                    help="decode: time the wgmma rule's M = 9..16 second-kernel rows with the other splits, in "
-                   "programs of 64 and 128 weight rows")
+                   "programs of 64 and 128 weight rows, summed by a second kernel or as clusters of 2-8")
     p.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--layouts", default="trtllm,cutlass", help="gemm, decode: layouts to time (comma-separated)")
