@@ -962,15 +962,15 @@ def wgmma_rule(m: int, n: int, k: int, device: torch.device, *, cluster: bool = 
     make at most 4 programs per SM, those splits instead of the waves' (tenth session, four runs:
     Llama q_proj 8.5-8.6 us vs 9.1-9.3 with 5 splits of up to 7 K-tiles, Llama o_proj 8.5-8.8 vs
     9.2-9.5, Qwen o_proj 6.9 vs 7.3-7.4 with 7 of up to 5; Qwen q_proj keeps its 5 of 4; Qwen
-    gate_up, 5 x 152 row tiles, measured 12.5-12.8 vs 11.8-12.0 with 3 of up to 7). Before both,
-    where a split into at least 4 K-tiles each makes programs of 128 rows 1.5-2 per SM
-    (:func:`_wide_split`), those (eleventh session, two runs each: Llama q_proj 8 splits 8.13 /
-    8.18 us vs 8.61 / 8.50, o_proj 8.22 / 8.12 vs 8.57 / 8.46, down_proj 8 splits 20.5 / 20.3 vs
-    21.6 / 21.7, gate_up 2 splits 21.7 / 21.2 vs 23.8 / 23.3, Qwen gate_up 3 splits 11.2 / 11.2 vs
-    11.9 / 11.7, down_proj 11 splits 11.1 / 11.1 vs 12.3 / 12.2; not where only 3 K-tiles a split
-    make that many: Qwen o_proj 11 splits 7.14 / 7.15 vs 6.93 / 6.91, q_proj 7 splits 6.78 / 6.86
-    vs 6.86 / 6.86). Programmatic dependent
-    launch where :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
+    gate_up, 5 x 152 row tiles, measured 12.5-12.8 vs 11.8-12.0 with 3 of up to 7). Ahead of
+    both: programs of 128 rows where a split of K into at least 4 K-tiles each makes 1.5-2 of them
+    per SM (the most even such split, :func:`_wide_split`; eleventh session, two runs each: Llama
+    q_proj 8 splits 8.13 / 8.18 us vs 8.61 / 8.50, o_proj 8.22 / 8.12 vs 8.57 / 8.46, down_proj 8
+    splits 20.5 / 20.3 vs 21.6 / 21.7, gate_up 2 splits 21.7 / 21.2 vs 23.8 / 23.3, Qwen gate_up 3
+    splits 11.2 / 11.2 vs 11.9 / 11.7, down_proj 11 splits 11.1 / 11.1 vs 12.3 / 12.2; not where
+    only 3 K-tiles a split make that many: Qwen o_proj 11 splits 7.14 / 7.15 vs 6.93 / 6.91, q_proj
+    7 splits 6.78 / 6.86 vs 6.86 / 6.86). Programmatic dependent launch where
+    :func:`pdl_enabled`, except for an unsplit K at M > 8 (DeepSeek q_b_proj, M = 16:
     x1.17 bf16 with it, x1.39 without: the next call's programs, launched early into the free
     slots, end up unevenly spread), with the weight prefetch, early release and physical-order
     partials of :func:`_launch_options` (ninth session).

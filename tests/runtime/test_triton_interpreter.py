@@ -302,8 +302,8 @@ def test_wgmma_rule_table(monkeypatch):
         assert not (cfg.cluster and cfg.block_n == 128)  # (67 x 3 = 201 through global memory, below)
     assert tri.wgmma_rule(16, 6400, 2048, dev).block_n == tri.wgmma_rule(16, 8448, 2048, dev).block_n == 128
     assert all(tri.wgmma_rule(16, n, k, dev).block_n == 64 for n, k in (small, qwen_q, large, huge))
-    # where a second kernel sums the partials, 128-row programs with the largest split of at least
-    # 4 K-tiles that makes 1.5-2 of them per SM, the most even one (eleventh session): Llama q/o_proj
+    # where a second kernel sums the partials, 128-row programs: of the splits into at least 4 K-tiles
+    # that make 1.5-2 of them per SM, the most even, then the larger (eleventh session): Llama q/o_proj
     # 8 splits (256 programs; 7 of up to 5 make 224), down_proj 8 (7 and 8 both even: the more),
     # gate_up 2 (224); Qwen gate_up 3 (228), down_proj 11 of up to 7 (220; 13 of up to 6 make 260)
     for m in (9, 16):
