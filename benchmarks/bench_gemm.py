@@ -339,21 +339,23 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
     if sweep == "split":  # M = 9..16, second-kernel reduction: other splits, programs of 64 or 128 rows
         import dataclasses
 
-        import triton
+        from mxfp8_convert.runtime.triton_mxfp8 import (
+            CLUSTER_SIZES,
+            _launch_options,
+            _no_empty_splits,
+        )
 
-        from mxfp8_convert.runtime.triton_mxfp8 import CLUSTER_SIZES, _no_empty_splits
-
-        rule, rep = out["rule"], dataclasses.replace
+        rule = out["rule"]
         if rule.wgmma and m > 8 and rule.split_k > 1 and not (rule.cluster or rule.serial_reduce):
-            for bn in (64, 128):
+            for bn in (64, 128):  # each with the rule's launch options for its reduction (chunk, release, ...)
+                width = dataclasses.replace(rule, block_n=bn, num_warps=bn // 16)
                 for split in sorted({_no_empty_splits(k // 128, s) for s in range(2, 17)}):
-                    if (bn, split) != (rule.block_n, rule.split_k) and 2 <= split <= 16:
-                        out[f"b{bn}.s{split}"] = rep(rule, block_n=bn, num_warps=bn // 16, split_k=split,
-                                                     red_chunk=min(16, triton.next_power_of_2(split - 1)))
-                for size in CLUSTER_SIZES[:-1]:  # the splits of a row tile as one cluster (K split evenly)
+                    if (bn, split) != (rule.block_n, rule.split_k) and split >= 2:
+                        out[f"b{bn}.s{split}"] = _launch_options(dataclasses.replace(width, split_k=split), m, dev)
+                for size in (s for s in CLUSTER_SIZES if s <= 8):  # the splits of a row tile as one cluster
                     if size * 2 <= k // 128:
-                        out[f"b{bn}.cl{size}"] = rep(rule, block_n=bn, num_warps=bn // 16, split_k=size, cluster=True,
-                                                     red_release=False, phys_partials=False)
+                        out[f"b{bn}.cl{size}"] = _launch_options(
+                            dataclasses.replace(width, split_k=size, cluster=True), m, dev)
         return out
     if sweep != "wgmma":
         out["old"] = choose_config(m, n, k, dev, decode=False)
