@@ -326,15 +326,23 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
 
         rule, rep = out["rule"], dataclasses.replace
         if rule.wgmma and rule.pdl:
-            out["nopdl"] = rep(rule, pdl=False, prefetch=False, red_release=False)
-            out["-prefetch"] = rep(rule, prefetch=False)  # every load after the dependency wait
+            out["nopdl"] = rep(rule, pdl=False, prefetch=False, x_prefetch=False, red_release=False)
+            out["-prefetch"] = rep(rule, prefetch=False, x_prefetch=False)  # every load after the dependency wait
+            # the activations' lines asked of L2 before the wait too, or not; with deeper rings (more
+            # of the weight requested before the wait)
+            xpf = ("-" if rule.x_prefetch else "+") + "xprefetch"
+            out[xpf] = rep(rule, x_prefetch=not rule.x_prefetch)
+            for stages in (3, 4):
+                out[f"st{stages}"] = rep(rule, num_stages=stages)
+                out[f"{xpf}.st{stages}"] = rep(out[xpf], num_stages=stages)
             if rule.phys_partials:  # second reduction kernel
                 out["-release"] = rep(rule, red_release=False)  # the next GEMM launches when it exits
                 out["-phys"] = rep(rule, phys_partials=False)  # partials in logical row order
                 import triton  # wgmma_config's chunk: partial 0 and the rest in chunks of next_pow2(split)
 
                 out["-chunk"] = rep(rule, red_chunk=min(16, max(4, triton.next_power_of_2(rule.split_k))))
-                out["eighth"] = rep(out["-chunk"], prefetch=False, red_release=False, phys_partials=False)
+                out["eighth"] = rep(out["-chunk"], prefetch=False, x_prefetch=False, red_release=False,
+                                    phys_partials=False)
         return out
     if sweep == "split":  # M = 9..16, second-kernel reduction: other splits, programs of 64 or 128 rows
         import dataclasses
@@ -456,8 +464,10 @@ def _mx_calls(xs, ws, cfg):
     return lambda i: (lambda: triton_linear(xs[i], ws[i], config=cfg))
 
 
-def decode_rows(shapes, ms, layouts, sweep: bool | str) -> list[dict]:
-    """Decode timing: operand copies made once per shape, bf16 and every variant in the same run."""
+def decode_rows(shapes, ms, layouts, sweep: bool | str, hot: bool = False) -> list[dict]:
+    """Decode timing: operand copies made once per shape, bf16 and every variant in the same run.
+    ``hot``: every call reads one activation tensor (in L2 after the first, as in a model where
+    the kernel before has just written it); the weights are still one copy per call."""
     from mxfp8_convert.runtime.triton_mxfp8 import triton_linear
 
     rows = []
@@ -474,7 +484,7 @@ def decode_rows(shapes, ms, layouts, sweep: bool | str) -> list[dict]:
         wref = dequantize_mxfp8(q, code).double().t()
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            xs = [x.clone() for _ in range(max(c_bf, c_mx))]
+            xs = [x if hot else x.clone() for _ in range(max(c_bf, c_mx))]
             ref = fake_quantize_mxfp8(x).double() @ wref
             t_bf16 = time_graph(_linear_calls(xs, wbfs), c_bf)
             if sweep == "wgmma":  # the floor: a kernel that only reads the fp8 weight bytes
@@ -659,10 +669,13 @@ def main() -> None:
     p.add_argument("--grid", action="store_true", help="decode: time a grid of GEMV configs (M <= 4)")
     p.add_argument("--pdl-options", action="store_true",
                    help="decode: time the wgmma rule without each of its PDL options (weight prefetch, "
-                   "early release by the reduction kernel, physical-order partials)")
+                   "early release by the reduction kernel, physical-order partials), with or without the "
+                   "activations' L2 prefetch, and with 3- and 4-stage rings")
     p.add_argument("--split-options", action="store_true",
                    help="decode: time the wgmma rule's M = 9..16 second-kernel rows with the other splits, in "
                    "programs of 64 and 128 weight rows, summed by a second kernel or as clusters of 2-8")
+    p.add_argument("--hot", action="store_true",
+                   help="decode: one activation tensor for every call (hot in L2, as in a model), not one copy each")
     p.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--layouts", default="trtllm,cutlass", help="gemm, decode: layouts to time (comma-separated)")
@@ -700,7 +713,8 @@ def main() -> None:
         layouts = tuple(args.layouts.split(","))  # alternatives on the first
         sweep = ("grid" if args.grid else "wgmma" if args.wgmma else "pdl" if args.pdl_options
                  else "split" if args.split_options else args.sweep)
-        result["rows"] = decode_rows(shapes, ms, layouts, sweep)
+        result["hot"] = args.hot
+        result["rows"] = decode_rows(shapes, ms, layouts, sweep, args.hot)
         (out / "bench_decode.json").write_text(json.dumps(result, indent=1))
         decode_summary(result["rows"])
     elif args.mode == "host":

@@ -114,6 +114,25 @@ def _gdc_wait_and_release():
 
 
 @gluon.jit
+def _prefetch_x_l2(x_ptr, M, stride_xm, kt0, n_it, tile, tiles, XT: gl.constexpr, num_warps: gl.constexpr):
+    """Ask L2 for the activation bytes of this program's K-tiles ``kt0 .. kt0 + n_it - 1`` (``XT``
+    elements of ``x_ptr`` per K-tile row), the 128-byte lines of the ``M`` rows shared out among
+    the ``tiles`` row tiles that read them (this one: ``tile``), one line a thread. A hint
+    (``prefetch.global.L2``): it returns no value, so it may go out before the PDL wait; a line
+    written later by the previous kernel is updated in L2 like any other, and the activations are
+    read only after the wait. A split with more lines than its programs have threads gets some."""
+    LE: gl.constexpr = 128 * 8 // x_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+    span = n_it * XT
+    lines = span // LE + 1  # a row's slice, unaligned: its first line may be partly another row's
+    t = tile + tiles * gl.arange(0, 32 * num_warps, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
+    ask = (t < M * lines).to(gl.int32)  # surplus threads ask for nothing (not the last line again: one L2 slice)
+    t = gl.minimum(t, M * lines - 1)
+    off = (t // lines).to(gl.int64) * stride_xm + kt0 * XT + gl.minimum((t % lines) * LE, span - 1)
+    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.b32 $0, 0;",
+                              "=r,l,r", [x_ptr + off, ask], dtype=gl.int32, is_pure=False, pack=1)
+
+
+@gluon.jit
 def _cluster_rank():
     """This program's rank in its thread-block cluster (0 when launched without one)."""
     return gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r", [], dtype=gl.int32, is_pure=True,
@@ -230,7 +249,7 @@ def _wgmma_decode_kernel(
     FUSE_QUANT: gl.constexpr, BM: gl.constexpr, QM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
     SW_AHEAD: gl.constexpr, PDL: gl.constexpr, RED_CHUNK: gl.constexpr, X_WORDS: gl.constexpr,
     CLUSTER: gl.constexpr, RED_E: gl.constexpr, PREFETCH: gl.constexpr, PHYS: gl.constexpr,
-    num_warps: gl.constexpr,
+    X_PREFETCH: gl.constexpr, num_warps: gl.constexpr,
 ):
     if PDL and not PREFETCH:  # before any access to memory
         _gdc_wait_and_release()
@@ -278,6 +297,8 @@ def _wgmma_decode_kernel(
     sw_1 = gl.load(sw_ptrs + gl.minimum(kt0 + 1, last) * 128)
     sw_2 = gl.load(sw_ptrs + gl.minimum(kt0 + 2, last) * 128)
     if PDL and PREFETCH:  # the weight's first tiles and scale words are on their way: now the inputs
+        if X_PREFETCH:  # and the activations' lines into L2 (a hint, no value read)
+            _prefetch_x_l2(x_ptr, M, stride_xm, kt0, n_it, pid_n, gl.cdiv(N, BN), 64 if X_WORDS else 128, num_warps)
         _gdc_wait_and_release()
     # bf16 activations (or activation codes, both from L2) of the current tile; the next tile's
     # are loaded one iteration ahead
@@ -438,7 +459,7 @@ def wgmma_decode(
     ws: torch.Tensor | None, lock: torch.Tensor | None, *, split_k: int, xc: torch.Tensor | None = None,
     stages: int = 2, sw_ahead: int = 1, pdl: bool = False, red_chunk: int = 4, x_words: bool = True,
     cluster: bool = False, block_n: int = BLOCK_N, prefetch: bool = False,
-    phys_partials: bool = False,
+    phys_partials: bool = False, x_prefetch: bool = False,
 ) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16); with ``split_k > 1`` fp32 partials go to ``ws``
     ``[split_k, M, N]`` and are summed by the last program of each row tile to arrive when
@@ -454,7 +475,8 @@ def wgmma_decode(
     stream, which it waits for before touching memory, and releasing the next one at once (a
     caller summing the partials with a second kernel launches it with PDL too); ``prefetch`` (with
     ``pdl`` and activations quantized here): the weight's first K-tiles and scale words are loaded
-    before the wait. ``phys_partials``: split-K partials in ``ws`` keep the weight's physical row
+    before the wait, and with ``x_prefetch`` also the activations of its K-tiles into L2 (a hint:
+    the values are read after the wait). ``phys_partials``: split-K partials in ``ws`` keep the weight's physical row
     order (the caller's second kernel maps them to logical rows). ``x_words``: bf16
     activations (M >= 2, 4-byte aligned rows) are loaded as int32 words of two elements, which
     stay packed in the registers carried to the next K-tile (``False``: element by element, as
@@ -502,7 +524,7 @@ def wgmma_decode(
         X_SMEM=x_layout, STAGES=stages, SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, X_WORDS=words,
         CLUSTER=split_k if cluster else 0,
         RED_E=block_n * bm >> (split_k.bit_length() - 1) if cluster else 0, PREFETCH=prefetch and pdl and fuse,
-        PHYS=phys_partials,
+        PHYS=phys_partials, X_PREFETCH=x_prefetch and prefetch and pdl and fuse,
         num_warps=block_n // 16,
         **({"launch_pdl": True} if pdl else {}),
     )

@@ -723,6 +723,7 @@ class GemmConfig:
     prefetch: bool = False  # wgmma with PDL: the weight's first tiles loaded before waiting for the inputs
     red_release: bool = False  # wgmma with PDL: the split-K reduction kernel lets the next kernel launch at once
     phys_partials: bool = False  # wgmma, two kernels: partials in the weight's physical row order
+    x_prefetch: bool = False  # wgmma with the prefetch: the activations' lines also asked of L2 before the wait
 
     def to_dict(self) -> dict:
         return {f: getattr(self, f) for f in self.__slots__}
@@ -909,7 +910,8 @@ def pdl_enabled(device: torch.device) -> bool:
     edges), unless ``MXFP8_PDL=0``. FlashInfer enables PDL by default on the same GPUs (``device_support_pdl``).
     Each kernel waits for the previous one before it reads the activations or writes anything
     (``gluon_mxfp8.wgmma_decode``); only the weight's first tile and scale words are loaded
-    before that wait (:func:`weight_prefetch`), so the previous kernel must not be the one that
+    before that wait (:func:`weight_prefetch`; the activations' lines are only asked of L2 then, a
+    hint that reads no value), so the previous kernel must not be the one that
     writes the weight (an in-place weight update is followed by a synchronization, or run with
     ``MXFP8_PDL=strict``: every memory access after the wait). A kernel launched without the
     attribute is not affected."""
@@ -1033,13 +1035,18 @@ def _launch_options(cfg: GemmConfig, m: int, device: torch.device) -> GemmConfig
     (``prefetch``); partials summed by a second kernel are stored in the weight's physical row
     order and mapped by that kernel (``phys_partials``), which, under PDL, lets the next kernel
     launch as soon as the partials are complete (``red_release``). Ninth session (NOTES_gemm.md):
-    Qwen q_proj at M = 16 6.90-6.92 us vs 7.70-7.73, Qwen k_proj 4.6 vs 5.0."""
+    Qwen q_proj at M = 16 6.90-6.92 us vs 7.70-7.73, Qwen k_proj 4.6 vs 5.0. With the prefetch,
+    each program also asks L2 for its activations' lines before the wait (``x_prefetch``, a hint
+    that reads no value; twelfth session, cold activations, M = 16: Qwen k_proj 4.17 vs 4.55 us,
+    DeepSeek q_a 7.14 vs 7.82, kv_a 5.18 vs 5.77, Qwen q_proj 6.71 vs 6.80; M = 8: Qwen q_proj 5.54
+    vs 5.96; with activations already in L2 within +-3 %)."""
     pdl = wgmma_pdl(m, cfg.split_k, device)
     two_kernel = cfg.split_k > 1 and not cfg.cluster and not cfg.serial_reduce
     # the second kernel loads the first partial, then the others in chunks: all in one chunk, no
     # masked loads (Qwen q_proj, 5 splits: 4 at a time 6.82 / 6.85 us vs 8 at a time 6.97 / 6.91)
     chunk = min(16, triton.next_power_of_2(cfg.split_k - 1)) if two_kernel else cfg.red_chunk
-    return dataclasses.replace(cfg, pdl=pdl, prefetch=pdl and weight_prefetch(), red_release=pdl and two_kernel,
+    early = pdl and weight_prefetch()
+    return dataclasses.replace(cfg, pdl=pdl, prefetch=early, x_prefetch=early, red_release=pdl and two_kernel,
                                phys_partials=two_kernel, red_chunk=chunk)
 
 
@@ -1057,8 +1064,9 @@ def _device_index(device: torch.device) -> int:
 
 
 def weight_prefetch() -> bool:
-    """Whether kernels launched with PDL load the weight's first K-tile and scale words before
-    waiting for the previous kernel (default), or every byte after it (``MXFP8_PDL=strict``)."""
+    """Whether kernels launched with PDL load the weight's first K-tile and scale words, and ask L2
+    for the activations' lines, before waiting for the previous kernel (default), or touch every
+    byte after it (``MXFP8_PDL=strict``)."""
     return os.environ.get("MXFP8_PDL", "1") != "strict"
 
 
@@ -1421,7 +1429,7 @@ def _launch_wgmma(
         gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
                            split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
                            red_chunk=cfg.red_chunk, x_words=cfg.x_words, cluster=cfg.cluster, block_n=cfg.block_n,
-                           prefetch=cfg.prefetch, phys_partials=cfg.phys_partials)
+                           prefetch=cfg.prefetch, phys_partials=cfg.phys_partials, x_prefetch=cfg.x_prefetch)
     except RuntimeError as err:
         if not cfg.cluster or "cluster" not in str(err).lower():
             raise

@@ -22,7 +22,7 @@ gluon_mxfp8 = pytest.importorskip("mxfp8_convert.runtime.gluon_mxfp8")
 
 
 def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool = False, words: bool = False,
-          cluster: int = 0, block_n: int = 64, prefetch: bool = False) -> str:
+          cluster: int = 0, block_n: int = 64, prefetch: bool = False, x_prefetch: bool = False) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -51,7 +51,7 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
                   "FUSE_QUANT": fuse, "BM": bm, "QM": qm or bm, "X_SMEM": x_smem, "STAGES": 2, "SW_AHEAD": 3,
                   "PDL": pdl, "RED_CHUNK": 4, "X_WORDS": words, "CLUSTER": cluster,
                   "RED_E": block_n * bm >> (cluster.bit_length() - 1) if cluster else 0,
-                  "PREFETCH": prefetch, "PHYS": False, "num_warps": block_n // 16})
+                  "PREFETCH": prefetch, "PHYS": False, "X_PREFETCH": x_prefetch, "num_warps": block_n // 16})
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
@@ -62,7 +62,8 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
     cubin = kernel.asm["cubin"]
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                        f"mxfp8_gluon_{os.getpid()}_{bm}_{qm}_{layout}_{serial}_{fuse}_{pdl}_{words}_{cluster}_{block_n}_{prefetch}.cubin")
+                        f"mxfp8_gluon_{os.getpid()}_{bm}_{qm}_{layout}_{serial}_{fuse}_{pdl}_{words}_{cluster}_{block_n}_{prefetch}"
+                        f"_{x_prefetch}.cubin")
     with open(path, "wb") as f:
         f.write(cubin)
     try:
@@ -150,12 +151,16 @@ def test_pdl_waits_for_the_previous_kernel_before_any_memory_access(fuse):
     assert "ACQBULK" not in plain and "PREEXIT" not in plain
 
 
-def test_prefetch_loads_only_the_weight_before_the_wait():
+@pytest.mark.parametrize("x_prefetch", [False, True], ids=["weight", "weight+x-lines"])
+@pytest.mark.parametrize("words", [True, False], ids=["words", "elements"])
+def test_prefetch_loads_only_the_weight_before_the_wait(x_prefetch, words):
     """With ``PREFETCH`` (the rule's choice under PDL) the kernel loads the weight's first K-tile
     (TMA) and its scale words for the first three K-tiles (``SW_AHEAD``; two rows a thread: six
-    32-bit loads) before ``griddepcontrol.wait``, and nothing else: the activations (int32 words,
-    128-bit loads) are read, and anything is stored, only after the wait."""
-    sass = _sass(16, "trtllm", False, True, qm=16, pdl=True, words=True, prefetch=True)
+    32-bit loads) before ``griddepcontrol.wait``, and nothing else: the activations (int32 words
+    or bf16 elements, 128-bit loads) are read, and anything is stored, only after the wait. With
+    ``X_PREFETCH`` each thread also asks L2 for one line of the activations (``CCTL.E.PF2``, the
+    SASS of ``prefetch.global.L2``: no register receives a value) before the wait; without it, none."""
+    sass = _sass(16, "trtllm", False, True, qm=16, pdl=True, words=words, prefetch=True, x_prefetch=x_prefetch)
     ins = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", sass, re.M)
     wait = next(i for i, t in enumerate(ins) if t.startswith("ACQBULK"))
     before, after = ins[:wait], ins[wait:]
@@ -163,7 +168,10 @@ def test_prefetch_loads_only_the_weight_before_the_wait():
     loads = [t for t in before if re.search(r"\bLDG\b", t)]
     assert len(loads) == 6 and all(re.search(r"\bLDG\.E\s", t) for t in loads), loads
     assert not any(re.search(r"\b(STG|STS|ATOM|ATOMG|RED)\b", t) for t in before)
-    assert any(re.search(r"\bLDG\.E\.128\b", t) for t in after)  # the activation words
+    pf = re.compile(r"^(@!?P\d+ )?CCTL\.E\.PF2 ")  # predicated: threads past the split's lines ask for none
+    assert sum(bool(pf.match(t)) for t in before) == x_prefetch
+    assert not any(pf.match(t) for t in after)
+    assert any(re.search(r"\bLDG\.E\.128\b", t) for t in after)  # the activation words, or 8 elements
     assert any(t.startswith("PREEXIT") for t in after)
 
 

@@ -184,8 +184,10 @@ def test_wgmma_configs_agree(layout, n, m):
         cfgs = [tri.wgmma_config(m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse,
                                  sw_ahead=ahead, pdl=pdl) for fuse in (True, False)]
         cfgs.append(dataclasses.replace(cfgs[0], x_words=False))  # bf16 loaded element by element
-        if pdl:  # the weight's first tile loaded before the wait; a second kernel's early release
+        if pdl:  # the weight's first tile loaded before the wait; a second kernel's early release;
+            # the activations' lines asked of L2 before the wait (words, or elements)
             cfgs.append(dataclasses.replace(cfgs[0], prefetch=True, red_release=not serial))
+            cfgs += [dataclasses.replace(cfgs[-1], x_prefetch=True, x_words=words) for words in (True, False)]
         if not serial:  # partials in the trtllm weight's physical row order, mapped by the second kernel
             cfgs += [dataclasses.replace(c, phys_partials=True) for c in (cfgs[0], cfgs[-1])]
         outs = [_check_twice(tri, x, w, bias, ref, cfg) for cfg in cfgs]
@@ -197,6 +199,9 @@ def test_wgmma_configs_agree(layout, n, m):
     cl8 = tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True, max_split=8, cluster=True, pdl=True)
     assert cl8.cluster and cl8.split_k == 8
     assert torch.equal(_check_twice(tri, x, w, bias, ref, cl8), serial8)
+    if tri.pdl_enabled(dev):  # the weight and the activations' lines prefetched before the wait
+        assert torch.equal(_check_twice(tri, x, w, bias, ref, dataclasses.replace(cl8, prefetch=True,
+                                                                                x_prefetch=True)), serial8)
     # activations quantized by the kernel before (read by TMA): the same bits
     assert torch.equal(_check_twice(tri, x, w, bias, ref, dataclasses.replace(cl8, fuse_quant=False)), serial8)
     cl16 = tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True, max_split=16, cluster=True)
@@ -266,18 +271,20 @@ def test_wgmma_cluster_launch_and_its_fallback():
 def test_wgmma_pdl_chain_reads_each_previous_output(m):
     """Programmatic dependent launch: in a chain of GEMMs, each feeding the next (directly, or through a torch kernel between them), queued
     without a synchronization, every kernel reads the finished output of the one before: the
-    chain's outputs equal, bit for bit, those of the same chain synchronized after each kernel."""
+    chain's outputs equal, bit for bit, those of the same chain synchronized after each kernel;
+    also with the next input's lines asked of L2 before the wait (``x_prefetch``), while the kernel
+    before is still writing them."""
     tri = _triton()
     dev = torch.device("cuda")
     if tri._gluon() is None or not tri.pdl_enabled(dev):
         pytest.skip("needs Triton's Gluon and programmatic dependent launch")
     dims = (7168, 1536, 4096, 1024, 2048)  # K of each GEMM, then its N = the next one's K
     ws = [random_weight(n, k, "trtllm", seed=41 + i)[0] for i, (k, n) in enumerate(zip(dims, dims[1:], strict=False))]
-    cfgs = [tri.choose_config(m, w.shape[0], w.shape[1], dev) for w in ws]
-    assert all(c.wgmma and c.pdl and c.split_k > 1 for c in cfgs)
+    rule = [tri.choose_config(m, w.shape[0], w.shape[1], dev) for w in ws]
+    assert all(c.wgmma and c.pdl and c.split_k > 1 for c in rule)
     xs = [torch.randn(m, dims[0], device="cuda", dtype=torch.bfloat16) for _ in range(6)]
 
-    def chain(x, sync, between):
+    def chain(x, sync, between, cfgs):
         for w, cfg in zip(ws, cfgs, strict=True):
             x = tri.triton_linear(x, w, config=cfg)
             if between:  # a torch kernel (no PDL) writes the next GEMM's input
@@ -286,12 +293,14 @@ def test_wgmma_pdl_chain_reads_each_previous_output(m):
                 torch.cuda.synchronize()
         return x
 
-    for between in (False, True):
-        expected = [chain(x, True, between) for x in xs]
-        got = [chain(x, False, between) for x in xs]
-        torch.cuda.synchronize()
-        for e, g in zip(expected, got, strict=True):
-            assert e.isfinite().all() and torch.equal(e, g), between
+    for xpf in (False, True):
+        cfgs = [dataclasses.replace(c, prefetch=True, x_prefetch=xpf) for c in rule]
+        for between in (False, True):
+            expected = [chain(x, True, between, cfgs) for x in xs]
+            got = [chain(x, False, between, cfgs) for x in xs]
+            torch.cuda.synchronize()
+            for e, g in zip(expected, got, strict=True):
+                assert e.isfinite().all() and torch.equal(e, g), (between, xpf)
 
 
 @pytest.mark.parametrize("m", [2, 5, 16])
@@ -415,9 +424,10 @@ def test_wgmma_is_the_rule_where_measured_faster():
     cfg = tri.choose_config(16, 4096, 4096, dev)
     assert cfg.wgmma and not cfg.cluster and cfg.split_k > 1 and not cfg.serial_reduce
     assert (cfg.block_n, cfg.split_k) == (128, 8)  # 1.94 programs of 128 rows per SM, 4 K-tiles each
-    # with PDL the weight's first tile is loaded before the wait, and the second kernel (summing
-    # physical-order partials) lets the next kernel launch once the partials are complete
-    assert (cfg.prefetch, cfg.red_release, cfg.phys_partials) == (pdl, pdl, True)
+    # with PDL the weight's first tile is loaded (and the activations' lines asked of L2) before the
+    # wait, and the second kernel (summing physical-order partials) lets the next kernel launch
+    # once the partials are complete
+    assert (cfg.prefetch, cfg.x_prefetch, cfg.red_release, cfg.phys_partials) == (pdl, pdl, pdl, True)
     # ... but on N = 7168 (DeepSeek expert.down, o_proj, mlp.down): 128-row programs in clusters of 4
     cfg = tri.choose_config(16, 7168, 2048, dev)
     assert cfg.wgmma and cfg.cluster and cfg.block_n == 128 and cfg.num_warps == 8 and cfg.split_k == 4

@@ -331,10 +331,12 @@ def test_wgmma_rule_table(monkeypatch):
     assert tri.wgmma_config(2, 576, 7168, dev, waves=2).split_k == 28 and tri.wgmma_config(2, 576, 7168, dev).red_chunk == 16
     # from M = 4 at most 16 splits (DeepSeek kv_a, 56 K-tiles: 14), below as many as the waves give
     assert [tri.wgmma_rule(m, 576, 7168, dev, cluster=False).split_k for m in (2, 3, 4, 8)] == [28, 28, 14, 14]
-    # with PDL: the weight's first tile loaded before the wait; partials summed by a second kernel
-    # in physical row order, which lets the next kernel launch once they are complete
+    # with PDL: the weight's first tile loaded (and the activations' lines asked of L2) before the
+    # wait; partials summed by a second kernel in physical row order, which lets the next kernel
+    # launch once they are complete
     def options(m, n, k, cluster=False):
         cfg = tri.wgmma_rule(m, n, k, dev, cluster=cluster)
+        assert cfg.x_prefetch == cfg.prefetch
         return cfg.prefetch, cfg.red_release, cfg.phys_partials
 
     assert options(16, *mid) == (True, True, True) and options(8, *mid) == (True, True, True)
