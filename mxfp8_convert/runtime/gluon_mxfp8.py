@@ -508,6 +508,9 @@ def wgmma_decode(
     cluster = cluster and split_k > 1
     if cluster and split_k not in CLUSTER_SIZES:
         raise ValueError(f"split_k={split_k}: a cluster holds {', '.join(map(str, CLUSTER_SIZES))} programs")
+    k_tiles = k // BLOCK_K  # every split needs a K-tile (an empty one would read scale words past its end)
+    if split_k > k_tiles or (not cluster and (split_k - 1) * _cdiv(k_tiles, split_k) >= k_tiles):
+        raise ValueError(f"split_k={split_k}: leaves a split of K = {k} ({k_tiles} tiles of {BLOCK_K}) empty")
     partial = split_k > 1 and not cluster
     # bf16 activations go to the kernel as int32 words (two elements each) where they align
     words = (x_words and fuse and x.dtype == torch.bfloat16 and m >= 2 and x.data_ptr() % 4 == 0

@@ -187,7 +187,7 @@ def test_launcher_refuses_what_the_kernel_cannot_read():
     out = torch.empty(4, n, dtype=torch.bfloat16)
 
     def launch(x, **kw):
-        gluon_mxfp8.wgmma_decode(x, w, None, out, None, None, split_k=1, **kw)
+        gluon_mxfp8.wgmma_decode(x, w, None, out, None, None, **{"split_k": 1, **kw})
 
     with pytest.raises(LayoutError, match="dtype torch.int8"):
         launch(torch.zeros(4, k, dtype=torch.int8))
@@ -199,6 +199,15 @@ def test_launcher_refuses_what_the_kernel_cannot_read():
         launch(torch.zeros(k, 4, dtype=torch.bfloat16).t())  # K not contiguous
     with pytest.raises(ValueError, match="sw_ahead=4"):
         launch(torch.zeros(4, k, dtype=torch.bfloat16), sw_ahead=4)
+    # no split of K without a K-tile: 10 splits of 32 tiles are 8 of 4 and two empty ones
+    kk = 4096
+    wk = MXFP8Weight.from_canonical(torch.zeros(n, kk, dtype=torch.float8_e4m3fn),
+                                    torch.full((n, kk // 32), 127, dtype=torch.uint8), "trtllm", "proj")
+    x = torch.zeros(4, kk, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="split_k=10: leaves a split of K = 4096 .* empty"):
+        gluon_mxfp8.wgmma_decode(x, wk, None, out, None, None, split_k=10)
+    with pytest.raises(ValueError, match="split_k=16: leaves a split of K = 256 .* empty"):
+        launch(torch.zeros(4, k, dtype=torch.bfloat16), split_k=16, cluster=True)
 
 
 def _regs(operand: str) -> set[int]:
