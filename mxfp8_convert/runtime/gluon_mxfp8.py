@@ -28,7 +28,10 @@ stream (``griddepcontrol.wait``, so it never reads an unfinished input) and then
 launch: launch latency is hidden behind the neighbours' tails. Without ``PREFETCH`` the wait comes
 before any memory access; with it, the TMA loads of the weight's first K-tiles (the ring's
 prologue) and its first scale words go out before the wait, so that their DRAM latency overlaps
-the previous kernel's tail: the weight must then not be written by that kernel.
+the previous kernel's tail: the weight must then not be written by that kernel. With
+``X_PREFETCH`` the program also asks L2 for the activation lines of its K-tiles then
+(``prefetch.global.L2``, which reads no value: the activations themselves are loaded after the
+wait, so a line the previous kernel is still writing is harmless).
 
 Split-K partials are summed by the last program of each row tile to arrive (through global
 memory, an arrival counter per tile), by a second kernel, or, with ``CLUSTER``, inside a
