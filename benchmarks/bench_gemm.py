@@ -338,9 +338,9 @@ def decode_variants(m: int, n: int, k: int, sweep: bool | str) -> dict:
             if rule.phys_partials:  # second reduction kernel
                 out["-release"] = rep(rule, red_release=False)  # the next GEMM launches when it exits
                 out["-phys"] = rep(rule, phys_partials=False)  # partials in logical row order
-                import triton  # wgmma_config's chunk: partial 0 and the rest in chunks of next_pow2(split)
+                from mxfp8_convert.runtime.triton_mxfp8 import _red_chunk  # wgmma_config's chunk
 
-                out["-chunk"] = rep(rule, red_chunk=min(16, max(4, triton.next_power_of_2(rule.split_k))))
+                out["-chunk"] = rep(rule, red_chunk=_red_chunk(rule.split_k))
                 out["eighth"] = rep(out["-chunk"], prefetch=False, x_prefetch=False, red_release=False,
                                     phys_partials=False)
         return out
