@@ -515,6 +515,7 @@ def wgmma_decode(
     if split_k > k_tiles or (not cluster and (split_k - 1) * _cdiv(k_tiles, split_k) >= k_tiles):
         raise ValueError(f"split_k={split_k}: leaves a split of K = {k} ({k_tiles} tiles of {BLOCK_K}) empty")
     partial = split_k > 1 and not cluster
+    early = prefetch and pdl and fuse  # loads before the PDL wait: only with the activations quantized here
     # bf16 activations go to the kernel as int32 words (two elements each) where they align
     words = (x_words and fuse and x.dtype == torch.bfloat16 and m >= 2 and x.data_ptr() % 4 == 0
              and x.stride(0) % 2 == 0)
@@ -529,8 +530,8 @@ def wgmma_decode(
         SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=_next_pow2(m),
         X_SMEM=x_layout, STAGES=stages, SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, X_WORDS=words,
         CLUSTER=split_k if cluster else 0,
-        RED_E=block_n * bm >> (split_k.bit_length() - 1) if cluster else 0, PREFETCH=prefetch and pdl and fuse,
-        PHYS=phys_partials, X_PREFETCH=x_prefetch and prefetch and pdl and fuse,
+        RED_E=block_n * bm >> (split_k.bit_length() - 1) if cluster else 0, PREFETCH=early,
+        PHYS=phys_partials, X_PREFETCH=x_prefetch and early,
         num_warps=block_n // 16,
         **({"launch_pdl": True} if pdl else {}),
     )
