@@ -177,14 +177,14 @@ def test_prefetch_loads_only_the_weight_before_the_wait(x_prefetch, words):
 
 def test_launcher_refuses_what_the_kernel_cannot_read():
     """``wgmma_decode`` checks its arguments before anything is launched (so this runs on CPU):
-    each refusal names the problem."""
+    each refusal names the problem, and the output is left as it was."""
     from mxfp8_convert.errors import LayoutError
     from mxfp8_convert.runtime.weight import MXFP8Weight
 
     n, k = 128, 256
     q = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
     w = MXFP8Weight.from_canonical(q, torch.full((n, k // 32), 127, dtype=torch.uint8), "trtllm", "proj")
-    out = torch.empty(4, n, dtype=torch.bfloat16)
+    out = torch.full((4, n), float("nan"), dtype=torch.bfloat16)
 
     def launch(x, **kw):
         gluon_mxfp8.wgmma_decode(x, w, None, out, None, None, **{"split_k": 1, **kw})
@@ -208,6 +208,7 @@ def test_launcher_refuses_what_the_kernel_cannot_read():
         gluon_mxfp8.wgmma_decode(x, wk, None, out, None, None, split_k=10)
     with pytest.raises(ValueError, match="split_k=16: leaves a split of K = 256 .* empty"):
         launch(torch.zeros(4, k, dtype=torch.bfloat16), split_k=16, cluster=True)
+    assert out.isnan().all()  # refused before anything was launched or written
 
 
 def _regs(operand: str) -> set[int]:
