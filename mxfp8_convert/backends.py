@@ -1,8 +1,9 @@
 """Table of target backends: weight layout, scale layout and the constraints each kernel puts.
 
-Adding a backend means one entry here and one layout module. Sources: SPEC.md section 3 and
-``flashinfer/gemm/gemm_base.py`` (FlashInfer 0.7.2.post1): ``mm_mxfp8`` takes ``b = W.t()``,
-uint8 1-D scales, N >= 128, K >= 128; trtllm needs K % 256 == 0 and a P32-shuffled weight.
+Adding a backend means one entry here, its layout names in ``format.LAYOUTS`` and one layout
+module. Sources: SPEC.md section 3 and ``flashinfer/gemm/gemm_base.py`` (FlashInfer 0.7.2.post1):
+``mm_mxfp8`` takes ``b = W.t()``, uint8 1-D scales, N >= 128, K >= 128; trtllm needs
+K % 256 == 0 and a P32-shuffled weight.
 """
 
 from __future__ import annotations
@@ -11,6 +12,13 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+from mxfp8_convert.format import (  # noqa: F401 - re-exported: the names of the contract
+    CANONICAL_LAYOUT,
+    EPILOGUE_TILE_M,
+    FLASHINFER_LAYOUT_VERSION,
+    FORMAT_VERSION,
+    LAYOUTS,
+)
 from mxfp8_convert.layouts import (
     p32_shuffle_rows,
     p32_unshuffle_rows,
@@ -28,14 +36,6 @@ if TYPE_CHECKING:
     import numpy as np
     import torch
 
-#: FlashInfer release whose kernel layouts the output follows (recorded in every output).
-FLASHINFER_LAYOUT_VERSION = "0.7.2.post1"
-#: Version of our on-disk contract, docs/FORMAT.md.
-FORMAT_VERSION = 1
-#: The trtllm-gen epilogue tile used for the P32 shuffle; every known caller uses 128.
-EPILOGUE_TILE_M = 128
-
-
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
 
@@ -49,7 +49,7 @@ class BackendSpec:
     """What one ``mm_mxfp8`` backend consumes, and how to lay a linear weight out for it."""
 
     name: str
-    weight_layout: str  # name recorded in the marker
+    weight_layout: str  # name recorded in the marker (format.LAYOUTS)
     scale_layout: str
     n_multiple: int
     k_multiple: int
@@ -67,7 +67,7 @@ class BackendSpec:
     @property
     def laid_out(self) -> bool:
         """False for the canonical target (plain MXFP8, no kernel layout)."""
-        return self.weight_layout != "canonical"
+        return self.weight_layout != CANONICAL_LAYOUT
 
     def violations(self, n: int, k: int) -> list[str]:
         """Every constraint a ``[n, k]`` weight breaks, as short phrases (empty if eligible)."""
@@ -102,8 +102,8 @@ class BackendSpec:
 BACKENDS: dict[str, BackendSpec] = {
     "trtllm": BackendSpec(
         name="trtllm",
-        weight_layout="p32_rows",
-        scale_layout="pad128_p32_128x4",
+        weight_layout=LAYOUTS["trtllm"].weight,
+        scale_layout=LAYOUTS["trtllm"].scale,
         n_multiple=32,
         k_multiple=256,
         min_n=128,
@@ -118,8 +118,8 @@ BACKENDS: dict[str, BackendSpec] = {
     ),
     "cutlass": BackendSpec(
         name="cutlass",
-        weight_layout="identity",
-        scale_layout="128x4",
+        weight_layout=LAYOUTS["cutlass"].weight,
+        scale_layout=LAYOUTS["cutlass"].scale,
         n_multiple=32,
         k_multiple=32,
         min_n=128,
@@ -132,11 +132,11 @@ BACKENDS: dict[str, BackendSpec] = {
         scale_shape=swizzled_128x4_shape,
         scale_forward_array=swizzle_128x4_array,
     ),
-    # Not a kernel: plain SGLang/Miles MXFP8 (uint8 weight_scale_inv [N, K/32]), the way back.
+    # Not a kernel: plain SGLang/Miles MXFP8 (uint8 scales [N, K/32], format.CANONICAL_SUFFIX).
     "canonical": BackendSpec(
         name="canonical",
-        weight_layout="canonical",
-        scale_layout="linear",
+        weight_layout=LAYOUTS["canonical"].weight,
+        scale_layout=LAYOUTS["canonical"].scale,
         n_multiple=1,
         k_multiple=32,
         min_n=1,

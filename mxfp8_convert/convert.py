@@ -17,13 +17,25 @@ import numpy as np
 from mxfp8_convert import __version__
 from mxfp8_convert._buffers import BufferPool
 from mxfp8_convert._lazy import torch, torch_loaded
-from mxfp8_convert.backends import BACKENDS, FORMAT_VERSION, BackendSpec, get_backend
+from mxfp8_convert.backends import BACKENDS, BackendSpec, get_backend
 from mxfp8_convert.dtypes import torch_dtype
 from mxfp8_convert.errors import ConvertError, LayoutError, OutputError
-from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD, detect, get_format
+from mxfp8_convert.format import (
+    COMPLETE_MARKER,
+    CONFIG_FILE,
+    FORMAT_VERSION,
+    INDEX_FILE,
+    LAYOUTS,
+    META_MARKER,
+    META_TENSORS,
+    Completion,
+    FileRecord,
+    file_record,
+    is_marker,
+)
+from mxfp8_convert.formats import detect, get_format
 from mxfp8_convert.layouts import p32_row_order, p32_shuffle_rows_array
 from mxfp8_convert.plan import (
-    COMPLETE_MARKER,
     ConversionPlan,
     ModulePlan,
     MoELayerPlan,
@@ -33,7 +45,6 @@ from mxfp8_convert.plan import (
 )
 from mxfp8_convert.publish import CARD_NAME, write_model_card
 from mxfp8_convert.read import (
-    INDEX_NAME,
     ShardReader,
     SourceCheckpoint,
     chunk_ranges,
@@ -382,10 +393,10 @@ class _Executor:
         files = dict(files)
         self.emit(ProgressEvent("writing", bytes_done=self.done, bytes_total=self.plan.nbytes))
         for rel in self.plan.copied_files:
-            files[rel] = _file_record(*copy_file(self.ckpt.path(rel), self.out / rel))
+            files[rel] = file_record(*copy_file(self.ckpt.path(rel), self.out / rel))
         for rel, obj in _json_files(self.ckpt, self.plan).items():
-            files[rel] = _file_record(*write_json(self.out / rel, obj))
-        files[CARD_NAME] = _file_record(*write_model_card(  # replaces the copied source README
+            files[rel] = file_record(*write_json(self.out / rel, obj))
+        files[CARD_NAME] = file_record(*write_model_card(  # replaces the copied source README
             self.out, self.ckpt.root, repo_id=self.hub_repo_id, completion=self.completion_record({})))
         fsync_paths([self.out / s.name for s in self.plan.shards])  # durable before "complete"
         write_json(self.out / COMPLETE_MARKER, self.completion_record(files))
@@ -404,14 +415,11 @@ class _Executor:
         return {m: e for m, e in self.errors.items() if m in modules}
 
     def completion_record(self, files: dict[str, dict]) -> dict:
-        return {
-            "format_version": FORMAT_VERSION,
-            "backend": self.plan.backend,
-            "tool_version": __version__,
-            "source_fingerprint": self.plan.fingerprint,
-            "quantization_errors": dict(sorted(self.errors.items())),
-            "files": dict(sorted(files.items())),
-        }
+        return Completion(
+            backend=self.plan.backend, tool_version=__version__,
+            source_fingerprint=self.plan.fingerprint, quantization_errors=dict(sorted(self.errors.items())),
+            files={rel: FileRecord(**rec) for rel, rec in sorted(files.items())},
+        ).to_dict()
 
     def reader(self, info) -> ShardReader:
         if info.file not in self.readers:
@@ -444,7 +452,7 @@ class _Executor:
             for t in shard.tensors:
                 for n in self._produce(t, writer):
                     self._advance(n, shard.name, t.name)
-            return _file_record(*writer.close())
+            return file_record(*writer.close())
         except BaseException:
             writer.abort()
             raise
@@ -508,7 +516,7 @@ class _Executor:
         row_bytes = t.shape[1]
         for begin, n in chunk_ranges(info, granule=granule, chunk_bytes=CHUNK_BYTES):
             self._check_nan(reader, info, begin, n)
-            if t.layout == "p32_rows" and row_bytes >= ROW_COPY_MIN_BYTES:
+            if t.layout == LAYOUTS["trtllm"].weight and row_bytes >= ROW_COPY_MIN_BYTES:
                 order = p32_row_order(n // row_bytes)  # output row p <- source row order[p]
                 writer.copy_rows(row_bytes, order, reader.bytes(begin, n), lambda _, b=begin, k=n: reader.drop(b, k))
             else:  # narrow rows: shuffled in memory, with numpy (no torch)
@@ -597,28 +605,24 @@ def _computed(m: ModulePlan) -> bool:
     return m.action not in ("relayout", "keep") or m.source_backend is not None
 
 
-def _file_record(size: int, digest: str) -> dict:
-    return {"size": size, "xxh3_128": digest}
-
-
 def _json_files(ckpt: SourceCheckpoint, plan: ConversionPlan) -> dict[str, dict]:
     config = dict(ckpt.config or {})
     config["quantization_config"] = plan.marker
-    out = {"config.json": config}
+    out = {CONFIG_FILE: config}
     if plan.indexed or len(plan.shards) > 1:
         meta = {"total_size": plan.nbytes}
-        if plan.marker.get("quant_method") == LAID_OUT_QUANT_METHOD:
-            meta["mxfp8_convert"] = plan.marker
-        out[INDEX_NAME] = {"metadata": meta, "weight_map": {t.name: s.name for s in plan.shards for t in s.tensors}}
+        if is_marker(plan.marker):
+            meta[META_MARKER] = plan.marker
+        out[INDEX_FILE] = {"metadata": meta, "weight_map": {t.name: s.name for s in plan.shards for t in s.tensors}}
     return out
 
 
 def _shard_metadata(ckpt: SourceCheckpoint, plan: ConversionPlan, shard: ShardPlan) -> dict[str, str]:
-    meta = {k: v for k, v in ckpt.shards[shard.name].metadata.items() if not k.startswith("mxfp8_convert")}
+    meta = {k: v for k, v in ckpt.shards[shard.name].metadata.items() if not k.startswith(META_MARKER)}
     meta.setdefault("format", "pt")
-    if plan.marker.get("quant_method") != LAID_OUT_QUANT_METHOD:
+    if not is_marker(plan.marker):
         return meta  # canonical output: plain MXFP8, no marker
-    meta["mxfp8_convert"] = json.dumps(plan.marker, sort_keys=True, separators=(",", ":"))
+    meta[META_MARKER] = json.dumps(plan.marker, sort_keys=True, separators=(",", ":"))
     records = {t.name: t.record() for t in shard.tensors if t.role != "passthrough"}
-    meta["mxfp8_convert.tensors"] = json.dumps(records, sort_keys=True, separators=(",", ":"))
+    meta[META_TENSORS] = json.dumps(records, sort_keys=True, separators=(",", ":"))
     return meta

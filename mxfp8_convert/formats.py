@@ -10,9 +10,8 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from mxfp8_convert.errors import FormatError
-
-#: the quant_method our own laid-out checkpoints carry (docs/FORMAT.md)
-LAID_OUT_QUANT_METHOD = "mxfp8_convert"
+from mxfp8_convert.format import CANONICAL_QUANT_METHOD, CANONICAL_SUFFIX
+from mxfp8_convert.format import QUANT_METHOD as LAID_OUT_QUANT_METHOD  # docs/FORMAT.md
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,7 +51,7 @@ def _block_size(q: dict) -> list:
 
 def _is_sglang_mxfp8(cfg: dict, hfq: dict) -> bool:
     q = _qc(cfg)
-    return q.get("quant_method") == "mxfp8" or (q.get("quant_method") == "fp8" and _block_size(q) == [1, 32])
+    return q.get("quant_method") == CANONICAL_QUANT_METHOD or (q.get("quant_method") == "fp8" and _block_size(q) == [1, 32])
 
 
 def _ct_groups(cfg: dict) -> list[dict]:
@@ -136,9 +135,9 @@ FORMATS: tuple[FormatSpec, ...] = (
                lambda c, h: _modelopt_algo(c, h) == "MXFP8", _ignored_modelopt),
     FormatSpec("compressed_tensors_mxfp8", "mxfp8", "weight_scale", "compressed-tensors MXFP8 (group 32)",  # llm-compressor
                _is_ct_mxfp8, _ignored_ct),
-    FormatSpec("sglang_mxfp8", "mxfp8", "weight_scale_inv", "SGLang / Miles MXFP8",  # sglang mxfp8 loader
+    FormatSpec("sglang_mxfp8", "mxfp8", CANONICAL_SUFFIX, "SGLang / Miles MXFP8",  # sglang mxfp8 loader
                _is_sglang_mxfp8, _ignored_sglang),
-    FormatSpec("block_fp8", "block_fp8", "weight_scale_inv", "DeepSeek-style 128x128 block FP8",  # DeepSeek-V3
+    FormatSpec("block_fp8", "block_fp8", CANONICAL_SUFFIX, "DeepSeek-style 128x128 block FP8",  # DeepSeek-V3
                _is_block_fp8, _ignored_sglang),
     FormatSpec("compressed_tensors_block_fp8", "block_fp8", "weight_scale", "compressed-tensors FP8_BLOCK",
                _is_ct_block_fp8, _ignored_ct),
@@ -183,12 +182,12 @@ def detect(config: dict | None, hf_quant_config: dict | None, tensor_names: set[
 
 
 def _names_look_quantized(names: set[str]) -> bool:
-    return any(n.endswith((".weight_scale_inv", ".weight_scale")) for n in names)
+    return any(n.endswith((f".{CANONICAL_SUFFIX}", ".weight_scale")) for n in names)
 
 
 def _detect_by_names(names: set[str]) -> FormatSpec | None:
     """No quantization_config: fall back on the scale tensors' names."""
-    if any(n.endswith(".weight_scale_inv") for n in names):
+    if any(n.endswith(f".{CANONICAL_SUFFIX}") for n in names):
         return FORMATS_BY_NAME["sglang_mxfp8"]
     if any(n.endswith(".weight_scale") for n in names):
         return FORMATS_BY_NAME["compressed_tensors_mxfp8"]

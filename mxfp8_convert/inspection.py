@@ -11,10 +11,10 @@ from pathlib import Path
 
 from mxfp8_convert.backends import BACKENDS, KERNEL_BACKENDS
 from mxfp8_convert.errors import ConvertError
+from mxfp8_convert.format import CANONICAL_LAYOUT, COMPLETE_MARKER, SWIZZLED_SUFFIX
 from mxfp8_convert.formats import detect, get_format
 from mxfp8_convert.layouts.moe import moe_shape_violations
 from mxfp8_convert.plan import (
-    COMPLETE_MARKER,
     EXPERT_ROLES,
     MOE_BACKENDS,
     build_plan,
@@ -95,7 +95,8 @@ def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, re
         if s is not None:
             roles[s.name] = "weight_scale"
         n, k = (w.shape + (0, 0))[:2] if len(w.shape) == 2 else (0, 0)
-        stored = report.backend if laid_out and s is not None and s.name.endswith("swizzled") else "canonical"
+        stored = report.backend if laid_out and s is not None and s.name.endswith("." + SWIZZLED_SUFFIX) \
+            else CANONICAL_LAYOUT
         report.modules.append(ModuleReport(module, list(w.shape), w.dtype, stored,
                                            {b: _why_not(BACKENDS[b], w, n, k) for b in KERNEL_BACKENDS}))
     report.moe = _per_expert_blocks(report.modules) + _fused_blocks(ckpt, roles)

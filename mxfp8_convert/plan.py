@@ -15,16 +15,24 @@ import re
 from dataclasses import dataclass, field, replace
 
 from mxfp8_convert import __version__
-from mxfp8_convert.backends import (
-    BACKENDS,
-    EPILOGUE_TILE_M,
-    FLASHINFER_LAYOUT_VERSION,
-    FORMAT_VERSION,
-    BackendSpec,
-)
+from mxfp8_convert.backends import BACKENDS, BackendSpec
 from mxfp8_convert.dtypes import FLOAT_DTYPES, UE8M0_DTYPES, itemsize
 from mxfp8_convert.errors import FormatError, IneligibleError, LayoutError, SourceError
-from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD, FormatSpec
+from mxfp8_convert.format import (  # noqa: F401 - COMPLETE_MARKER re-exported for old callers
+    CANONICAL_LAYOUT,
+    CANONICAL_SUFFIX,
+    COMPLETE_MARKER,
+    EXPERT_ROLES,
+    MOE_LAYOUT,
+    SWIZZLED_SUFFIX,
+    Marker,
+    MoeMarker,
+    canonical_config,
+    is_marker,
+    make_marker,
+)
+from mxfp8_convert.format import MOE_TENSORS as MOE_TENSOR_NAMES
+from mxfp8_convert.formats import FormatSpec
 from mxfp8_convert.layouts._common import ceil_to
 from mxfp8_convert.layouts.moe import (
     moe_fc1_scale_shape,
@@ -34,12 +42,6 @@ from mxfp8_convert.layouts.moe import (
     moe_shape_violations,
 )
 from mxfp8_convert.read import SourceCheckpoint, TensorInfo, read_tensor
-
-#: output scale tensor suffix of a laid-out module (docs/FORMAT.md section 3)
-SWIZZLED_SUFFIX = "weight_scale_swizzled"
-#: output scale tensor suffix of a module kept canonical
-CANONICAL_SUFFIX = "weight_scale_inv"
-COMPLETE_MARKER = "mxfp8_convert.complete.json"
 
 #: modules never quantized from a dense source (SPEC section 4): embeddings, heads, norms, routers
 _DENSE_SKIP = re.compile(
@@ -56,20 +58,18 @@ EXPERT_PROJS = {
     "gate_proj": "gate", "up_proj": "up", "down_proj": "down",  # Qwen2/3-MoE, DeepSeek-V2/V3
     "w1": "gate", "w3": "up", "w2": "down",  # Mixtral
 }
-EXPERT_ROLES = ("gate", "up", "down")
-#: the layout name of fused MoE tensors (docs/FORMAT.md section 3a)
-MOE_LAYOUT = "trtllm_fused_moe"
 #: backends with a fused-MoE layout (layouts/moe.py); others take experts as dense linears
 MOE_BACKENDS = ("trtllm",)
 #: what ``--moe`` may say: fuse per-expert weights (where the backend can), or keep them canonical
 MOE_MODES = ("fuse", "keep")
-#: fused output tensors of one MoE block: role -> (name suffix, dtype, shape function of (H, I, E))
-MOE_TENSORS = {
-    "moe_fc1_weight": ("w13_weight", "F8_E4M3", moe_fc1_weight_shape),
-    "moe_fc1_scale": ("w13_weight_scale_swizzled", "U8", moe_fc1_scale_shape),
-    "moe_fc2_weight": ("w2_weight", "F8_E4M3", moe_fc2_weight_shape),
-    "moe_fc2_scale": ("w2_weight_scale_swizzled", "U8", moe_fc2_scale_shape),
+_MOE_DTYPES = {
+    "moe_fc1_weight": ("F8_E4M3", moe_fc1_weight_shape),
+    "moe_fc1_scale": ("U8", moe_fc1_scale_shape),
+    "moe_fc2_weight": ("F8_E4M3", moe_fc2_weight_shape),
+    "moe_fc2_scale": ("U8", moe_fc2_scale_shape),
 }
+#: fused output tensors of one MoE block: role -> (name suffix, dtype, shape function of (H, I, E))
+MOE_TENSORS = {role: (suffix, *_MOE_DTYPES[role]) for role, suffix in MOE_TENSOR_NAMES.items()}
 
 
 @dataclass(frozen=True, slots=True)
@@ -193,7 +193,7 @@ class TensorPlan:
         else:
             n, c = self.logical_shape
             rec["logical_shape"] = [n, c]
-            rec["padded_shape"] = [ceil_to(n, 128), ceil_to(c, 4)] if self.layout != "canonical" else [n, c]
+            rec["padded_shape"] = [ceil_to(n, 128), ceil_to(c, 4)] if self.layout != CANONICAL_LAYOUT else [n, c]
             rec["tile_shape"] = list(self.shape)
         return rec
 
@@ -363,14 +363,9 @@ def _check_fp8_pair(ckpt: SourceCheckpoint, fmt: FormatSpec, w: TensorInfo, s: T
 def _source_backend(ckpt: SourceCheckpoint, fmt: FormatSpec) -> BackendSpec | None:
     if fmt.kind != "laid_out":
         return None
-    marker = (ckpt.config or {}).get("quantization_config") or {}
-    if marker.get("format_version") != FORMAT_VERSION:
-        raise FormatError(f"{ckpt.root}: mxfp8-convert format_version {marker.get('format_version')!r} "
-                          f"is not {FORMAT_VERSION}", hint="use the mxfp8-convert release that wrote it")
-    name = marker.get("backend")
-    if name not in BACKENDS or not BACKENDS[name].laid_out:
-        raise FormatError(f"config.json: unknown mxfp8-convert backend {name!r}")
-    return BACKENDS[name]
+    qc = (ckpt.config or {}).get("quantization_config")
+    marker = Marker.parse(qc, f"{ckpt.root}/config.json", error=FormatError)
+    return BACKENDS[marker.backend]
 
 
 def _classify(ckpt, fmt, src, w, s) -> tuple[int, int, str]:
@@ -448,7 +443,7 @@ def _fit(m: ModulePlan, backend: BackendSpec, on_ineligible: str, offenders: lis
 
 
 def _kept(m: ModulePlan, reason: str) -> ModulePlan:
-    return replace(m, layout="canonical", reason=reason, action="keep" if m.action == "relayout" else m.action)
+    return replace(m, layout=CANONICAL_LAYOUT, reason=reason, action="keep" if m.action == "relayout" else m.action)
 
 
 # --- MoE: per-expert modules fused for the trtllm-gen MoE kernel, and back ---------------------
@@ -589,10 +584,10 @@ def _moe_tensors(layer: MoELayerPlan) -> list[TensorPlan]:
 def _module_tensors(m: ModulePlan, backend: BackendSpec) -> list[TensorPlan]:
     c = m.k // 32
     w = f"{m.name}.weight"
-    if m.layout == "canonical":
+    if m.layout == CANONICAL_LAYOUT:
         return [
-            TensorPlan(w, "weight", "F8_E4M3", (m.n, m.k), "canonical", m.weight.name, m.name),
-            TensorPlan(f"{m.name}.{CANONICAL_SUFFIX}", "weight_scale", "U8", (m.n, c), "canonical",
+            TensorPlan(w, "weight", "F8_E4M3", (m.n, m.k), CANONICAL_LAYOUT, m.weight.name, m.name),
+            TensorPlan(f"{m.name}.{CANONICAL_SUFFIX}", "weight_scale", "U8", (m.n, c), CANONICAL_LAYOUT,
                        m.scale.name if m.scale else m.weight.name, m.name, (m.n, c)),
         ]
     return [
@@ -670,12 +665,12 @@ def build_plan(
             per_shard[info.file].append(TensorPlan(name, "passthrough", info.dtype, info.shape, "copy", name))
     shards = tuple(ShardPlan(rel, tuple(sorted(ts, key=_sort_key))) for rel, ts in sorted(per_shard.items()))
     _check_unique_names(shards, ckpt)
-    marker = make_marker(ckpt, backend, fmt, ignored, layers)
+    marker = quantization_config(ckpt, backend, fmt, ignored, layers)
     return ConversionPlan(
         source=str(ckpt.root), backend=backend.name, format=fmt.name, shards=shards,
         modules=tuple(modules), copied_files=ckpt.other_files, marker=marker, indexed=ckpt.indexed,
         fingerprint=fingerprint(ckpt),
-        kept=tuple(m.name for m in modules if m.layout == "canonical" and backend.laid_out),
+        kept=tuple(m.name for m in modules if m.layout == CANONICAL_LAYOUT and backend.laid_out),
         moe=tuple(layers), moe_mode=moe,
     )
 
@@ -683,59 +678,29 @@ def build_plan(
 def _original_config(ckpt: SourceCheckpoint) -> dict | None:
     """The source's own quantization_config; for one of our outputs, the one it came from."""
     q = (ckpt.config or {}).get("quantization_config")
-    if isinstance(q, dict) and q.get("quant_method") == LAID_OUT_QUANT_METHOD:
+    if is_marker(q):
         q = q.get("original_quantization_config")
     return q if isinstance(q, dict) else None
 
 
-def canonical_config(original: dict | None, ignored: list[str]) -> dict:
-    """quantization_config of plain SGLang/Miles MXFP8 output (SPEC section 4)."""
-    if original and original.get("quant_method") == "mxfp8":
-        return original  # came from SGLang MXFP8: give its config back untouched
-    return {"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
-            "activation_scheme": "dynamic", "ignored_layers": sorted(set(ignored))}
-
-
-def moe_marker(layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...]) -> dict | None:
+def moe_marker(layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...]) -> MoeMarker | None:
     """The marker's ``moe`` entry (docs/FORMAT.md section 2): None without fused MoE tensors."""
     if not layers:
         return None
-    return {
-        "layout": MOE_LAYOUT,
-        "kernel": "trtllm_fp8_block_scale_moe (Fp8QuantizationType.MxFp8, use_shuffled_weight=True, "
-                  "weight_layout=MajorK)",
-        "fc1": "cat([up, gate]) rows interleaved then P32",
-        "fc2": "P32",
-        "scales": "same rows, 128x4",
-        "tensors": {role: suffix for role, (suffix, _, _) in MOE_TENSORS.items()},
-        "experts_suffixes": layers[0].suffixes,
-        "layers": [layer.name for layer in layers],
-    }
+    return MoeMarker(experts_suffixes=layers[0].suffixes,
+                     layers=tuple(layer.name for layer in layers))
 
 
-def make_marker(ckpt: SourceCheckpoint, backend: BackendSpec, fmt: FormatSpec, ignored: list[str],
-                moe_layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...] = ()) -> dict:
-    """The ``quantization_config`` of the output (docs/FORMAT.md section 2)."""
+def quantization_config(ckpt: SourceCheckpoint, backend: BackendSpec, fmt: FormatSpec,
+                        ignored: list[str],
+                        moe_layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...] = ()) -> dict:
+    """The ``quantization_config`` of the output: the marker (docs/FORMAT.md section 2), or plain
+    MXFP8's for the canonical backend."""
     original = _original_config(ckpt)
     if fmt.kind == "laid_out":
         ignored = ignored + list(((ckpt.config or {}).get("quantization_config") or {}).get("ignored_layers") or [])
     if not backend.laid_out:
         return canonical_config(original, ignored)
-    return {
-        "quant_method": LAID_OUT_QUANT_METHOD,
-        "format_version": FORMAT_VERSION,
-        "backend": backend.name,
-        "weight_layout": backend.weight_layout,
-        "scale_layout": backend.scale_layout,
-        "epilogue_tile_m": EPILOGUE_TILE_M,
-        "block_size": 32,
-        "weight_dtype": "float8_e4m3fn",
-        "scale_dtype": "uint8",
-        "scale_suffix": SWIZZLED_SUFFIX,
-        "flashinfer_layout_version": FLASHINFER_LAYOUT_VERSION,
-        "tool": {"name": "mxfp8-convert", "version": __version__},
-        "source": {"dialect": fmt.name, "fingerprint": fingerprint(ckpt), "fingerprint_method": "headers-v1"},
-        "ignored_layers": sorted(set(ignored)),
-        "moe": moe_marker(moe_layers),
-        "original_quantization_config": original,
-    }
+    return make_marker(backend.name, dialect=fmt.name, fingerprint=fingerprint(ckpt),
+                       tool_version=__version__, ignored_layers=ignored, moe=moe_marker(moe_layers),
+                       original=original).to_dict()

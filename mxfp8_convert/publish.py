@@ -17,8 +17,18 @@ from typing import TYPE_CHECKING
 from mxfp8_convert import __version__
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.errors import MarkerError, OutputError
-from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD
-from mxfp8_convert.plan import COMPLETE_MARKER
+from mxfp8_convert.format import (
+    CANONICAL_SUFFIX,
+    COMPLETE_MARKER,
+    CONFIG_FILE,
+    FINGERPRINT_METHOD,
+    META_TENSORS,
+    QUANT_METHOD,
+    Completion,
+    Marker,
+    is_marker,
+    read_json,
+)
 from mxfp8_convert.write import write_bytes
 
 if TYPE_CHECKING:
@@ -46,18 +56,6 @@ ckpt = load_checkpoint(path, device="cuda", backend="{backend}")  # refuses any 
 ```"""
 
 
-def _read_json(path: Path, what: str, error: type[Exception]) -> dict:
-    try:
-        obj = json.loads(path.read_text(encoding="utf-8"))
-    except FileNotFoundError:
-        raise error(f"{path}: no {what}") from None
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
-        raise error(f"{path}: unreadable {what} ({e})") from None
-    if not isinstance(obj, dict):
-        raise error(f"{path}: unreadable {what} (not a JSON object)")
-    return obj
-
-
 def read_output_info(output_dir: str | Path, completion: dict | None = None) -> tuple[dict, dict]:
     """``(quantization_config, completion record)`` of a converted output.
 
@@ -71,18 +69,17 @@ def read_output_info(output_dir: str | Path, completion: dict | None = None) -> 
             nor the plain MXFP8 of a ``canonical`` conversion (which the completion record says).
     """
     root = Path(output_dir)
-    qc = _read_json(root / "config.json", "config.json", MarkerError).get("quantization_config")
+    qc = read_json(root / CONFIG_FILE, CONFIG_FILE).get("quantization_config")
     if completion is None:
         done = root / COMPLETE_MARKER
-        completion = _read_json(done, "completion marker", MarkerError) if done.is_file() else {}
-    if isinstance(qc, dict) and qc.get("quant_method") == LAID_OUT_QUANT_METHOD:
-        if qc.get("backend") not in BACKENDS:
-            raise MarkerError(f"{root / 'config.json'}: unknown backend {qc.get('backend')!r} in the marker")
+        completion = Completion.read(root).to_dict() if done.is_file() else {}
+    if is_marker(qc):
+        Marker.parse(qc, str(root / CONFIG_FILE))
         return qc, completion
     backend = BACKENDS.get(completion.get("backend"))
     if backend is not None and not backend.laid_out and isinstance(qc, dict):
         return qc, completion
-    raise MarkerError(f"{root / 'config.json'}: quantization_config is not an mxfp8-convert marker")
+    raise MarkerError(f"{root / CONFIG_FILE}: quantization_config is not an mxfp8-convert marker")
 
 
 def hub_repo_from_path(path: str | Path) -> tuple[str | None, str | None]:
@@ -149,7 +146,7 @@ class OutputFacts:
 def read_output_facts(output_dir: str | Path, completion: dict | None = None) -> OutputFacts:
     """``OutputFacts`` of an output or staging folder (see ``read_output_info`` for the arguments)."""
     qc, record = read_output_info(output_dir, completion)
-    backend = qc["backend"] if qc.get("quant_method") == LAID_OUT_QUANT_METHOD else record["backend"]
+    backend = qc["backend"] if is_marker(qc) else record["backend"]
     return OutputFacts(backend, qc, record, tuple(_kept_canonical(Path(output_dir))))
 
 
@@ -174,7 +171,7 @@ def _kept_canonical(output_dir: Path) -> list[str]:
     kept = []
     for shard in sorted(output_dir.glob("*.safetensors")):
         with safe_open(str(shard), "np") as f:  # metadata only; "pt" would import torch
-            records = json.loads((f.metadata() or {}).get("mxfp8_convert.tensors", "{}"))
+            records = json.loads((f.metadata() or {}).get(META_TENSORS, "{}"))
         kept += [n[: -len(".weight")] for n, r in records.items()
                  if r.get("role") == "weight" and r.get("layout") == "canonical"]
     return sorted(kept)
@@ -211,7 +208,7 @@ def _laid_out_sections(facts: OutputFacts, repo_id: str | None) -> list[str]:
             ("scale layout", f"`{m['scale_layout']}` (`*.{m.get('scale_suffix')}`, uint8 UE8M0)"),
             ("GPU compute capability", _compute_capabilities(b)),
             ("FlashInfer", f"`{m.get('flashinfer_layout_version')}` (the layouts are byte-identical to its helpers)"),
-            ("format", f'`quant_method: "{LAID_OUT_QUANT_METHOD}"`, format version {m.get("format_version")}'),
+            ("format", f'`quant_method: "{QUANT_METHOD}"`, format version {m.get("format_version")}'),
             ("converted by", f"mxfp8-convert {facts.tool_version}"),
         ]) + "\n",
         "## Loading\n",
@@ -228,7 +225,7 @@ def _canonical_sections(facts: OutputFacts) -> list[str]:
         "## Format\n",
         _rows([
             ("format", f'`quant_method: "{facts.qc.get("quant_method")}"`, `weight_block_size: [1, 32]`'),
-            ("scales", "`*.weight_scale_inv`, uint8 UE8M0, `[N, K/32]`"),
+            ("scales", f"`*.{CANONICAL_SUFFIX}`, uint8 UE8M0, `[N, K/32]`"),
             ("converted by", f"mxfp8-convert {facts.tool_version}"),
         ]) + "\n",
     ]
@@ -252,7 +249,8 @@ def _provenance(facts: OutputFacts, source_repo: str | None, source_commit: str 
     if src.get("dialect"):
         pairs.append(("source dialect", f"`{src['dialect']}`"))
     if facts.fingerprint:
-        pairs.append(("source fingerprint", f"`{facts.fingerprint}` ({src.get('fingerprint_method', 'headers-v1')})"))
+        method = src.get("fingerprint_method", FINGERPRINT_METHOD)
+        pairs.append(("source fingerprint", f"`{facts.fingerprint}` ({method})"))
     pairs.append(("left unquantized", _codes(facts.qc.get("ignored_layers") or [])))
     if facts.laid_out:
         pairs.append(("kept canonical MXFP8", _codes(facts.kept)))
@@ -367,7 +365,7 @@ def read_completion_marker(output_dir: str | Path) -> dict:
     if not (root / COMPLETE_MARKER).is_file():
         raise OutputError(f"{root}: no {COMPLETE_MARKER}, so not a finished mxfp8-convert output",
                           hint="convert again; a folder without its completion marker is not a result")
-    return _read_json(root / COMPLETE_MARKER, "completion marker", OutputError)
+    return Completion.read(root, error=OutputError).to_dict()
 
 
 def _hub_error(e: Exception, repo_id: str, revision: str | None) -> OutputError:

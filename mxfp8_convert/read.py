@@ -25,9 +25,10 @@ import numpy as np
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.dtypes import ST_DTYPES, torch_dtype
 from mxfp8_convert.errors import SourceError
+from mxfp8_convert.format import COMPLETE_MARKER, CONFIG_FILE
+from mxfp8_convert.format import INDEX_FILE as INDEX_NAME
+from mxfp8_convert.format import SINGLE_FILE as SINGLE_NAME
 
-INDEX_NAME = "model.safetensors.index.json"
-SINGLE_NAME = "model.safetensors"
 #: safetensors itself refuses headers over 100 MB; so do we, before allocating anything.
 #: The same bound holds for the index (a 1M-tensor model's index is ~100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -379,9 +380,9 @@ def open_checkpoint(root: str | os.PathLike) -> SourceCheckpoint:
         is_dir = False
     if not is_dir:
         raise SourceError(f"{root}: not a folder", hint="pass a model folder or a Hub repo id")
-    config, config_raw = _load_json(root, "config.json")
+    config, config_raw = _load_json(root, CONFIG_FILE)
     if config is not None and not isinstance(config, dict):
-        raise SourceError("config.json: not a JSON object")
+        raise SourceError(f"{CONFIG_FILE}: not a JSON object")
     hfq, _ = _load_json(root, "hf_quant_config.json")
     names, weight_map = _shard_names(root)
     shards = {rel: read_header(root, rel) for rel in names}
@@ -418,7 +419,7 @@ def _check_weight_map(weight_map: dict[str, str], tensors: dict[str, TensorInfo]
 
 
 #: files and folders of a model folder that are never copied to the output
-_NOT_COPIED = {INDEX_NAME, "config.json", "hf_quant_config.json", ".cache", ".git", "mxfp8_convert.complete.json"}
+_NOT_COPIED = {INDEX_NAME, CONFIG_FILE, "hf_quant_config.json", ".cache", ".git", COMPLETE_MARKER}
 
 
 def _other_files(root: Path, shards: set[str]) -> Iterator[str]:

@@ -14,6 +14,7 @@ import numpy as np
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.backends import BackendSpec
 from mxfp8_convert.errors import LayoutError
+from mxfp8_convert.format import CANONICAL_LAYOUT, LAYOUTS
 from mxfp8_convert.layouts.moe import (
     moe_fc1_scale_from_canonical,
     moe_fc1_scale_to_canonical,
@@ -31,9 +32,12 @@ if TYPE_CHECKING:
     from mxfp8_convert.quantize import QuantError
 
 
+_P32_ROWS, _IDENTITY = LAYOUTS["trtllm"].weight, LAYOUTS["cutlass"].weight
+
+
 def weight_granule(t: TensorPlan) -> int:
     """Bytes per independent chunk of a weight: 32 rows for a shuffled layout, else 1."""
-    if t.role == "weight" and t.layout == "p32_rows":
+    if t.role == "weight" and t.layout == _P32_ROWS:
         return P32_BLOCK * t.shape[1]
     return 1
 
@@ -45,10 +49,11 @@ def layout_weight_chunk(t: TensorPlan, backend: BackendSpec, chunk: torch.Tensor
     Layouts that keep the bytes return ``chunk`` itself. ``out`` (same size) receives the
     shuffled bytes when given, so a pipeline can reuse its buffers.
     """
-    if t.layout in ("canonical", "copy") or t.layout != backend.weight_layout or t.layout == "identity":
+    if (t.layout in (CANONICAL_LAYOUT, "copy") or t.layout != backend.weight_layout
+            or t.layout == _IDENTITY):
         return chunk
     k = t.shape[1]
-    if out is None or t.layout != "p32_rows":
+    if out is None or t.layout != _P32_ROWS:
         return backend.weight_forward(chunk.view(-1, k)).reshape(-1)
     out.view(-1, 4, 8, k).copy_(chunk.view(-1, 8, 4, k).transpose(1, 2))  # = p32_shuffle_rows
     return out

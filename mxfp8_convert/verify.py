@@ -20,9 +20,22 @@ from pathlib import Path
 
 import torch
 
-from mxfp8_convert.backends import BACKENDS, FORMAT_VERSION
-from mxfp8_convert.errors import ConvertError, VerifyError
-from mxfp8_convert.formats import LAID_OUT_QUANT_METHOD, detect
+from mxfp8_convert.backends import BACKENDS
+from mxfp8_convert.errors import ConvertError, MarkerError, VerifyError
+from mxfp8_convert.format import (
+    CANONICAL_LAYOUT,
+    CANONICAL_SUFFIX,
+    COMPLETE_MARKER,
+    CONFIG_FILE,
+    META_MARKER,
+    META_TENSORS,
+    MOE_LAYOUT,
+    SWIZZLED_SUFFIX,
+    Completion,
+    Marker,
+    is_marker,
+)
+from mxfp8_convert.formats import detect
 from mxfp8_convert.layouts.moe import (
     moe_fc1_scale_to_canonical,
     moe_fc1_weight_to_canonical,
@@ -30,11 +43,7 @@ from mxfp8_convert.layouts.moe import (
     moe_fc2_weight_to_canonical,
 )
 from mxfp8_convert.plan import (
-    CANONICAL_SUFFIX,
-    COMPLETE_MARKER,
-    MOE_LAYOUT,
     MOE_TENSORS,
-    SWIZZLED_SUFFIX,
     MoELayerPlan,
     build_plan,
     expert_slice,
@@ -111,7 +120,7 @@ def verify(path: str | Path, source: str | Path | None = None, *, check_hashes: 
     """
     root = Path(path)
     done = _completion(root)
-    report = VerifyReport(str(root), done.get("backend"))
+    report = VerifyReport(str(root), done.backend)
     _check_files(root, done, report, check_hashes)
     ckpt = open_checkpoint(root)
     marker = (ckpt.config or {}).get("quantization_config") or {}
@@ -124,50 +133,46 @@ def verify(path: str | Path, source: str | Path | None = None, *, check_hashes: 
     return report
 
 
-def _completion(root: Path) -> dict:
-    p = root / COMPLETE_MARKER
+def _completion(root: Path) -> Completion:
     if not root.is_dir():
         raise VerifyError(f"{root}: not a folder")
-    if not p.exists():
+    if not (root / COMPLETE_MARKER).exists():
         raise VerifyError(f"{root}: no {COMPLETE_MARKER}: incomplete, or not an mxfp8-convert output")
-    try:
-        done = json.loads(p.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError):
-        raise VerifyError(f"{p}: not valid JSON") from None
-    if not isinstance(done, dict) or done.get("format_version") != FORMAT_VERSION or not isinstance(done.get("files"), dict):
-        raise VerifyError(f"{p}: not a format_version {FORMAT_VERSION} completion marker")
-    return done
+    return Completion.read(root, error=VerifyError)
 
 
-def _check_files(root: Path, done: dict, report: VerifyReport, check_hashes: bool) -> None:
-    for rel, rec in sorted(done["files"].items()):
+def _check_files(root: Path, done: Completion, report: VerifyReport, check_hashes: bool) -> None:
+    for rel, rec in sorted(done.files.items()):
         p = root / rel
         report.files_checked += 1
         if not p.is_file():
             report.mismatches.append(Mismatch(rel, "listed in the completion marker but missing"))
-        elif p.stat().st_size != rec.get("size"):
-            report.mismatches.append(Mismatch(rel, f"size {p.stat().st_size} != recorded {rec.get('size')}"))
-        elif check_hashes and file_digest(p) != rec.get("xxh3_128"):
+        elif p.stat().st_size != rec.size:
+            report.mismatches.append(Mismatch(rel, f"size {p.stat().st_size} != recorded {rec.size}"))
+        elif check_hashes and file_digest(p) != rec.xxh3_128:
             report.mismatches.append(Mismatch(rel, "xxh3_128 hash differs from the completion marker"))
 
 
 def _check_marker(ckpt: SourceCheckpoint, marker: dict, report: VerifyReport) -> dict[str, dict]:
     """Check config/shard markers; return every shard's per-tensor records, merged."""
-    laid_out = marker.get("quant_method") == LAID_OUT_QUANT_METHOD
-    if report.backend not in BACKENDS:
-        report.mismatches.append(Mismatch(COMPLETE_MARKER, f"unknown backend {report.backend!r}"))
-        return {}
+    laid_out = is_marker(marker)
     if laid_out != BACKENDS[report.backend].laid_out:
-        report.mismatches.append(Mismatch("config.json", f"quantization_config does not match backend {report.backend}"))
-    if laid_out and (marker.get("backend") != report.backend or marker.get("format_version") != FORMAT_VERSION):
-        report.mismatches.append(Mismatch("config.json", "layout marker disagrees with the completion marker"))
+        report.mismatches.append(
+            Mismatch(CONFIG_FILE, f"quantization_config does not match backend {report.backend}"))
+    if laid_out:
+        try:
+            if Marker.parse(marker, CONFIG_FILE).backend != report.backend:
+                report.mismatches.append(
+                    Mismatch(CONFIG_FILE, "layout marker disagrees with the completion marker"))
+        except MarkerError as e:
+            report.mismatches.append(Mismatch(CONFIG_FILE, str(e).removeprefix(f"{CONFIG_FILE}: ")))
     records: dict[str, dict] = {}
     for rel, sh in ckpt.shards.items():
         if not laid_out:
             continue
         try:
-            shard_marker = json.loads(sh.metadata.get("mxfp8_convert", "null"))
-            shard_records = json.loads(sh.metadata.get("mxfp8_convert.tensors", "{}"))
+            shard_marker = json.loads(sh.metadata.get(META_MARKER, "null"))
+            shard_records = json.loads(sh.metadata.get(META_TENSORS, "{}"))
         except json.JSONDecodeError:
             report.mismatches.append(Mismatch(rel, "layout metadata is not valid JSON"))
             continue
@@ -204,18 +209,18 @@ def _tensor_problem(info, rec: dict, backend, records: dict[str, dict]) -> str |
     if rec.get("role") == "weight":
         if info.dtype != "F8_E4M3" or list(info.shape) != rec.get("shape") or len(info.shape) != 2:
             return f"{info.dtype} {list(info.shape)} does not match its record {rec.get('shape')}"
-        if layout not in (backend.weight_layout, "canonical"):
+        if layout not in (backend.weight_layout, CANONICAL_LAYOUT):
             return f"layout {layout!r} is not {backend.name}'s {backend.weight_layout!r}"
         module = info.name[: -len(".weight")]
-        suffix = CANONICAL_SUFFIX if layout == "canonical" else SWIZZLED_SUFFIX
+        suffix = CANONICAL_SUFFIX if layout == CANONICAL_LAYOUT else SWIZZLED_SUFFIX
         if f"{module}.{suffix}" not in records:
             return f"no {suffix} recorded for this weight"
         return None
     if rec.get("role") != "weight_scale":
         return f"unknown role {rec.get('role')!r}"
     n, c = rec.get("logical_shape", [0, 0])
-    want = [n, c] if layout == "canonical" else list(backend.scale_shape(n, c))
-    if layout not in (backend.scale_layout, "canonical"):
+    want = [n, c] if layout == CANONICAL_LAYOUT else list(backend.scale_shape(n, c))
+    if layout not in (backend.scale_layout, CANONICAL_LAYOUT):
         return f"layout {layout!r} is not {backend.name}'s {backend.scale_layout!r}"
     if info.dtype != "U8" or list(info.shape) != want:
         return f"{info.dtype} {list(info.shape)}, but a {layout} scale of [{n}, {c}] is U8 {want}"
@@ -256,9 +261,9 @@ def _compare_with_source(ckpt, src: SourceCheckpoint, marker, records, done, rep
     fmt = detect(src.config, src.hf_quant_config, set(src.tensors))
     # an output without fused MoE tensors was made with --moe keep, or had nothing to fuse
     plan = build_plan(src, backend, fmt, on_ineligible="keep", moe="fuse" if marker.get("moe") else "keep")
-    if done.get("source_fingerprint") != plan.fingerprint:
+    if done.source_fingerprint != plan.fingerprint:
         report.mismatches.append(Mismatch("source", "fingerprint differs from the one recorded at conversion"))
-    errors = done.get("quantization_errors") or {}
+    errors = done.quantization_errors
     covered: set[str] = set()
     for m in plan.modules:
         names = _output_names(m.name, ckpt)

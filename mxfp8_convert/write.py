@@ -25,6 +25,13 @@ import xxhash
 
 from mxfp8_convert._lazy import torch, torch_loaded
 from mxfp8_convert.errors import OutputError
+from mxfp8_convert.format import (
+    PART_MANIFEST_GLOB,
+    PARTIAL_MANIFEST_PREFIX,
+    PARTIAL_SUFFIX,
+    part_manifest,
+)
+from mxfp8_convert.format import PARTIAL_MANIFEST as MANIFEST_NAME
 
 #: bytes per write() / writev(): 256 KiB writes ran 2-5x faster than 32 MiB ones on ext4 here
 #: (the chunk is still in the CPU cache when the kernel copies it); BENCHMARKS.md
@@ -285,8 +292,6 @@ def check_destination(dest: Path, source: Path, *, overwrite: bool) -> None:
         raise OutputError(f"{dest}: exists and is not a folder")
 
 
-PARTIAL_SUFFIX = ".mxfp8-partial"
-MANIFEST_NAME = "mxfp8_convert.partial.json"
 _LOCK_NAME = ".lock"
 
 
@@ -300,7 +305,7 @@ def file_digest(path: Path) -> str:
 
 
 def manifest_name(part: tuple[int, int] | None) -> str:
-    return MANIFEST_NAME if part is None else f"mxfp8_convert.partial.part-{part[0]}-of-{part[1]}.json"
+    return MANIFEST_NAME if part is None else part_manifest(*part)
 
 
 def _lock_name(part: tuple[int, int] | None) -> str:
@@ -365,7 +370,7 @@ class Staging:
         """
         self = cls.__new__(cls)
         self.dest, self.path, self.part, self._manifest = dest, partial_dir(dest), None, MANIFEST_NAME
-        manifests = sorted(self.path.glob("mxfp8_convert.partial.part-*-of-*.json")) if self.path.is_dir() else []
+        manifests = sorted(self.path.glob(PART_MANIFEST_GLOB)) if self.path.is_dir() else []
         if not manifests:
             raise OutputError(f"{dest}: no parts to finalize in {self.path}",
                               hint="run the conversion with --num-parts N --part I for every I first")
@@ -405,7 +410,7 @@ class Staging:
                 kept[rel] = rec
         for p in sorted(self.path.rglob("*"), reverse=True):  # anything unfinished goes
             rel = str(p.relative_to(self.path))
-            if rel in kept or p.name.startswith((MANIFEST_NAME.rsplit(".", 1)[0], _LOCK_NAME)):
+            if rel in kept or p.name.startswith((PARTIAL_MANIFEST_PREFIX, _LOCK_NAME)):
                 continue
             if owned is not None and rel not in owned:
                 continue  # another part's file
@@ -447,7 +452,7 @@ class Staging:
     def commit(self) -> None:
         """Rename into place; an existing destination is swapped out and then removed."""
         for p in list(self.path.iterdir()):
-            if p.name.startswith(("mxfp8_convert.partial", _LOCK_NAME)):
+            if p.name.startswith((PARTIAL_MANIFEST_PREFIX, _LOCK_NAME)):
                 p.unlink(missing_ok=True)
         _fsync_dir(self.path)
         old = None

@@ -24,32 +24,25 @@ from pathlib import Path
 import torch
 from safetensors import safe_open
 
-from mxfp8_convert.backends import (
-    BACKENDS,
-    EPILOGUE_TILE_M,
-    FLASHINFER_LAYOUT_VERSION,
-    FORMAT_VERSION,
-)
 from mxfp8_convert.errors import LayoutError, MarkerError, SourceError
-from mxfp8_convert.runtime.select import check_engine
-from mxfp8_convert.runtime.weight import CANONICAL, KERNEL_LAYOUTS, MXFP8Weight
-
-COMPLETE_MARKER = "mxfp8_convert.complete.json"
-QUANT_METHOD = "mxfp8_convert"
-SCALE_SUFFIX = "weight_scale_swizzled"
-CANONICAL_SCALE_SUFFIX = "weight_scale_inv"
-META_MARKER = "mxfp8_convert"
-META_TENSORS = "mxfp8_convert.tensors"
-INDEX_FILE = "model.safetensors.index.json"
-SINGLE_FILE = "model.safetensors"
-#: Marker keys that define the bytes; a shard's marker must agree with config.json on each.
-LAYOUT_KEYS = (
-    "quant_method", "format_version", "backend", "weight_layout", "scale_layout",
-    "epilogue_tile_m", "block_size", "weight_dtype", "scale_dtype", "scale_suffix",
-    "flashinfer_layout_version",
+from mxfp8_convert.format import (  # noqa: F401 - the names are re-exported for old callers
+    CANONICAL_SUFFIX,
+    COMPLETE_MARKER,
+    CONFIG_FILE,
+    INDEX_FILE,
+    LAYOUT_KEYS,
+    LAYOUTS,
+    META_MARKER,
+    META_TENSORS,
+    QUANT_METHOD,
+    SINGLE_FILE,
+    Marker,
+    read_json,
 )
-_FIXED = {"block_size": 32, "weight_dtype": "float8_e4m3fn", "scale_dtype": "uint8",
-          "scale_suffix": SCALE_SUFFIX, "epilogue_tile_m": EPILOGUE_TILE_M}
+from mxfp8_convert.format import CANONICAL_SUFFIX as CANONICAL_SCALE_SUFFIX
+from mxfp8_convert.format import SWIZZLED_SUFFIX as SCALE_SUFFIX
+from mxfp8_convert.runtime.select import check_engine
+from mxfp8_convert.runtime.weight import CANONICAL, MXFP8Weight
 
 
 @dataclass(frozen=True)
@@ -78,39 +71,6 @@ class MXFP8Checkpoint:
         return self.marker["backend"]
 
 
-def _read_json(path: Path, what: str) -> dict:
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, ValueError) as e:
-        raise MarkerError(f"{path}: cannot read {what} ({e.__class__.__name__}: {e})") from None
-    if not isinstance(data, dict):
-        raise MarkerError(f"{path}: {what} is not a JSON object")
-    return data
-
-
-def _check_marker_fields(marker: dict, where: str) -> None:
-    """Raise MarkerError unless ``marker`` describes a layout this runtime knows."""
-    qm = marker.get("quant_method")
-    if qm != QUANT_METHOD:
-        raise MarkerError(
-            f"{where}: quant_method is {qm!r}, not {QUANT_METHOD!r}: not an mxfp8-convert output",
-            hint="convert it first with `mxfp8-convert convert`",
-        )
-    if marker.get("format_version") != FORMAT_VERSION:
-        raise MarkerError(
-            f"{where}: format_version {marker.get('format_version')!r} is not supported (this runtime reads {FORMAT_VERSION})",
-            hint="upgrade mxfp8-convert",
-        )
-    backend = marker.get("backend")
-    if backend not in KERNEL_LAYOUTS:
-        raise MarkerError(f"{where}: unknown backend {backend!r} (this runtime reads {', '.join(KERNEL_LAYOUTS)})")
-    spec = BACKENDS[backend]
-    expected = {**_FIXED, "weight_layout": spec.weight_layout, "scale_layout": spec.scale_layout}
-    for key, want in expected.items():
-        if marker.get(key) != want:
-            raise MarkerError(f"{where}: marker {key}={marker.get(key)!r} does not match backend {backend} ({want!r})")
-
-
 def read_marker(path: str | Path, *, backend: str | None = None) -> dict:
     """Check the completion marker and config.json's layout marker; read no tensor data.
 
@@ -134,14 +94,12 @@ def read_marker(path: str | Path, *, backend: str | None = None) -> dict:
             f"{root}: no {COMPLETE_MARKER}: not a complete mxfp8-convert output (crashed or still running?)",
             hint="re-run the conversion; never load a folder without its completion marker",
         )
-    _read_json(root / COMPLETE_MARKER, "the completion marker")
-    if not (root / "config.json").is_file():
-        raise MarkerError(f"{root}: no config.json, so no layout marker", hint="convert it with mxfp8-convert")
-    marker = _read_json(root / "config.json", "config.json").get("quantization_config")
-    if not isinstance(marker, dict):
-        raise MarkerError(f"{root}/config.json: no quantization_config: not an mxfp8-convert output",
-                          hint="convert it first with `mxfp8-convert convert`")
-    _check_marker_fields(marker, f"{root}/config.json")
+    read_json(root / COMPLETE_MARKER, "completion marker")
+    if not (root / CONFIG_FILE).is_file():
+        raise MarkerError(f"{root}: no {CONFIG_FILE}, so no layout marker",
+                          hint="convert it with mxfp8-convert")
+    marker = read_json(root / CONFIG_FILE, CONFIG_FILE).get("quantization_config")
+    Marker.parse(marker, f"{root}/{CONFIG_FILE}")
     if backend is not None and backend != marker["backend"]:
         raise MarkerError(
             f"{root}: checkpoint is laid out for {marker['backend']}, but {backend} was asked for",
@@ -155,7 +113,7 @@ def _check_flashinfer_version(marker: dict, root: Path) -> None:
         have = importlib_metadata.version("flashinfer-python")
     except importlib_metadata.PackageNotFoundError:
         return  # check_engine already required the module; a source build has no dist metadata
-    want = marker.get("flashinfer_layout_version", FLASHINFER_LAYOUT_VERSION)
+    want = marker["flashinfer_layout_version"]
     if have != want:
         raise MarkerError(
             f"{root}: laid out for FlashInfer {want}, installed FlashInfer is {have}; kernel layouts are internals",
@@ -166,7 +124,7 @@ def _check_flashinfer_version(marker: dict, root: Path) -> None:
 def _shard_files(root: Path) -> list[str]:
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = _read_json(index, "the index").get("weight_map")
+        weight_map = read_json(index, "index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise SourceError(f"{index}: no weight_map")
         return sorted(set(weight_map.values()))
@@ -204,12 +162,13 @@ def _check_record(records: dict, name: str, layout: str) -> None:
 
 def _pair_weights(tensors: dict, records: dict, marker: dict) -> dict[str, MXFP8Weight]:
     """Pop every quantized module (weight + its scale) out of ``tensors``."""
-    spec = BACKENDS[marker["backend"]]
+    backend = marker["backend"]
     weights: dict[str, MXFP8Weight] = {}
     for name in sorted(tensors):
         prefix, _, suffix = name.rpartition(".")
         if suffix == SCALE_SUFFIX:
-            layout, scale_layout, weight_layout = spec.name, spec.scale_layout, spec.weight_layout
+            layout, scale_layout, weight_layout = (
+                backend, LAYOUTS[backend].scale, LAYOUTS[backend].weight)
         elif suffix == CANONICAL_SCALE_SUFFIX and records.get(name, {}).get("layout") == CANONICAL:
             layout, scale_layout, weight_layout = CANONICAL, CANONICAL, CANONICAL
         else:
@@ -266,5 +225,5 @@ def load_checkpoint(
     weights = _pair_weights(tensors, records, marker)
     if any(w.layout == CANONICAL for w in weights.values()):
         check_engine(name, device, CANONICAL)
-    config = _read_json(root / "config.json", "config.json")
+    config = read_json(root / CONFIG_FILE, CONFIG_FILE)
     return MXFP8Checkpoint(root, marker, config, name, weights, tensors)

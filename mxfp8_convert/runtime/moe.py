@@ -49,6 +49,7 @@ from dataclasses import dataclass
 import torch
 
 from mxfp8_convert.errors import LayoutError
+from mxfp8_convert.format import Marker, MoeMarker
 from mxfp8_convert.layouts.moe import (
     MX_BLOCK,
     moe_fc1_row_indices,
@@ -225,28 +226,19 @@ class MXFP8MoEWeights:
         return cls.from_canonical(q(up, "up_proj"), q(gate, "gate_proj"), q(down, "down_proj"), name)
 
 
-#: The marker's ``moe.layout`` this runtime reads (docs/FORMAT.md section 3a).
-MOE_LAYOUT = "trtllm_fused_moe"
-#: Fused tensor names by role, when the marker does not list them (FORMAT.md section 3a).
-FUSED_TENSORS = {"moe_fc1_weight": "w13_weight", "moe_fc1_scale": "w13_weight_scale_swizzled",
-                 "moe_fc2_weight": "w2_weight", "moe_fc2_scale": "w2_weight_scale_swizzled"}
+def _moe_marker(ckpt) -> MoeMarker | None:
+    return Marker.parse(ckpt.marker, f"{ckpt.path}/config.json").moe
 
 
 def moe_blocks(ckpt) -> list[str]:
     """The fused MoE blocks of a loaded checkpoint (``marker["moe"]["layers"]``), empty if none.
 
     Raises:
-        MarkerError: the marker's ``moe`` entry has a layout this runtime does not read.
+        MarkerError: the marker is not valid (e.g. its ``moe`` entry has a layout this runtime does
+            not read).
     """
-    from mxfp8_convert.errors import MarkerError
-
-    moe = ckpt.marker.get("moe")
-    if not moe:
-        return []
-    if moe.get("layout") != MOE_LAYOUT:
-        raise MarkerError(f"{ckpt.path}: fused MoE layout {moe.get('layout')!r} is not {MOE_LAYOUT!r}",
-                          hint="upgrade mxfp8-convert, or convert the source again")
-    return list(moe.get("layers") or [])
+    moe = _moe_marker(ckpt)
+    return list(moe.layers) if moe is not None else []
 
 
 def _from_checkpoint(cls, ckpt, block: str) -> MXFP8MoEWeights:
@@ -256,7 +248,7 @@ def _from_checkpoint(cls, ckpt, block: str) -> MXFP8MoEWeights:
     if block not in blocks:
         listed = ", ".join(blocks[:3]) + (", ..." if len(blocks) > 3 else "") or "none"
         raise MarkerError(f"{ckpt.path}: {block!r} is not a fused MoE block of this checkpoint (blocks: {listed})")
-    names = {**FUSED_TENSORS, **(ckpt.marker["moe"].get("tensors") or {})}
+    names = _moe_marker(ckpt).tensor_names()
     got = {}
     for role, suffix in names.items():
         name = f"{block}.{suffix}"

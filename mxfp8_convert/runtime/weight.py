@@ -15,11 +15,11 @@ import torch
 
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.errors import LayoutError
+from mxfp8_convert.format import CANONICAL_LAYOUT as CANONICAL
+from mxfp8_convert.format import LAID_OUT_BACKENDS as KERNEL_LAYOUTS
 from mxfp8_convert.runtime.reference import dequantize_mxfp8, quantize_mxfp8
 
 #: Layout names a weight can carry: the kernel backends' layouts, plus modules kept canonical.
-CANONICAL = "canonical"
-KERNEL_LAYOUTS = tuple(name for name, spec in BACKENDS.items() if spec.weight_layout != CANONICAL)
 LAYOUTS = (*KERNEL_LAYOUTS, CANONICAL)
 
 
