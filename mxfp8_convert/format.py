@@ -28,8 +28,10 @@ from mxfp8_convert.errors import ConvertError, MarkerError
 # --------------------------------------------------------------------------------------------
 # Versions and fixed values of the marker (FORMAT.md section 2)
 # --------------------------------------------------------------------------------------------
-#: version of this contract; a reader refuses versions it does not know
-FORMAT_VERSION = 1
+#: version of this contract; a reader refuses versions it does not know (2: ``tp_compat``)
+FORMAT_VERSION = 2
+#: versions this release reads: version 1 has the same tensors and bytes, no ``tp_compat``
+READABLE_FORMAT_VERSIONS = (1, 2)
 #: FlashInfer release whose kernel layouts the output follows (recorded in every output)
 FLASHINFER_LAYOUT_VERSION = "0.7.2.post1"
 #: the trtllm-gen epilogue tile the P32 shuffle is made for; every known caller uses 128
@@ -179,6 +181,12 @@ def _names(v: Any) -> tuple[str, ...]:
     return tuple(v)
 
 
+def _ints(v: Any) -> tuple[int, ...]:
+    if not isinstance(v, list) or not all(type(x) is int for x in v):
+        raise _Invalid(f"{v!r} is not a list of integers")
+    return tuple(v)
+
+
 def _str_map(v: Any) -> dict[str, str]:
     if not isinstance(v, dict) or not all(isinstance(x, str) for x in v.values()):
         raise _Invalid(f"{v!r} is not an object of strings")
@@ -307,9 +315,9 @@ def _identity_problem(quant_method: Any, format_version: Any) -> tuple[str, str]
     if quant_method != QUANT_METHOD:
         return (f"quant_method is {quant_method!r}, not {QUANT_METHOD!r}: "
                 "not an mxfp8-convert output"), _CONVERT
-    if format_version != FORMAT_VERSION:
+    if format_version not in READABLE_FORMAT_VERSIONS:
         return (f"format_version {format_version!r} is not supported "
-                f"(this release reads {FORMAT_VERSION})"), _SAME_RELEASE
+                f"(this release reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))})"), _SAME_RELEASE
     return None
 
 
@@ -338,6 +346,8 @@ class Marker(_Record):
     source: Source = _key(_record(Source))
     ignored_layers: tuple[str, ...] = _key(_names, default=())
     moe: MoeMarker | None = _key(_record(MoeMarker), default=None, absent=None)
+    #: tensor-parallel sizes at which every module slices on tile boundaries (FORMAT.md 2a)
+    tp_compat: tuple[int, ...] | None = _key(_ints, default=None, absent=None)
     original_quantization_config: dict | None = _key(_object_or_null, default=None, absent=None)
 
     def __post_init__(self) -> None:
@@ -395,7 +405,8 @@ class Marker(_Record):
 
 def make_marker(backend: str, *, dialect: str, fingerprint: str, tool_version: str,
                 ignored_layers: list[str] | tuple[str, ...] = (),
-                moe: MoeMarker | None = None, original: dict | None = None) -> Marker:
+                moe: MoeMarker | None = None, original: dict | None = None,
+                tp_compat: list[int] | tuple[int, ...] | None = None) -> Marker:
     """The marker of an output laid out for ``backend`` (``trtllm`` or ``cutlass``).
 
     ``ignored_layers`` is sorted and deduplicated; ``original`` is the source's own
@@ -408,6 +419,7 @@ def make_marker(backend: str, *, dialect: str, fingerprint: str, tool_version: s
                   tool=Tool(version=tool_version),
                   source=Source(dialect=dialect, fingerprint=fingerprint),
                   ignored_layers=tuple(sorted(set(ignored_layers))), moe=moe,
+                  tp_compat=None if tp_compat is None else tuple(tp_compat),
                   original_quantization_config=original)
 
 
@@ -490,9 +502,9 @@ class Completion(_Record):
     files: dict[str, FileRecord] = _key(_files, factory=dict)
 
     def __post_init__(self) -> None:
-        if self.format_version != FORMAT_VERSION:
+        if self.format_version not in READABLE_FORMAT_VERSIONS:
             raise MarkerError(f"completion marker: format_version {self.format_version!r} "
-                              f"is not {FORMAT_VERSION}")
+                              f"is not one of {', '.join(map(str, READABLE_FORMAT_VERSIONS))}")
         if self.backend not in LAYOUTS:
             raise MarkerError(f"completion marker: unknown backend {self.backend!r}")
 
@@ -503,7 +515,7 @@ class Completion(_Record):
         Raises:
             error: ``"<where>: not a format_version 1 completion marker (<what>)"``.
         """
-        what = f"not a format_version {FORMAT_VERSION} completion marker"
+        what = f"not a format_version {'/'.join(map(str, READABLE_FORMAT_VERSIONS))} completion marker"
         try:
             return cls._parse(d, where, _NestedError)
         except (_NestedError, MarkerError) as e:

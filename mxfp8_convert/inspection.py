@@ -69,10 +69,12 @@ class InspectReport:
     modules: list[ModuleReport] = field(default_factory=list)
     actions: dict[str, str] = field(default_factory=dict)  # backend -> modules_by_action or error
     moe: list[MoEReport] = field(default_factory=list)
+    #: laid-out checkpoints: the marker's tensor-parallel sizes (None: a version-1 marker)
+    tp_compat: list[int] | None = None
 
     def to_dict(self) -> dict:
         return {"path": self.path, "format": self.format, "kind": self.kind, "backend": self.backend,
-                "complete": self.complete, "shards": self.shards, "bytes_by_role": self.bytes_by_role,
+                "complete": self.complete, "tp_compat": self.tp_compat, "shards": self.shards, "bytes_by_role": self.bytes_by_role,
                 "count_by_role": self.count_by_role, "conversion": self.actions,
                 "moe_layers": [m.to_dict() for m in self.moe],
                 "modules": [m.to_dict() for m in self.modules]}
@@ -87,7 +89,8 @@ def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, re
     laid_out = fmt.kind == "laid_out"
     report = InspectReport(
         path=str(root), format=fmt.name, kind=fmt.kind, backend=marker.get("backend") if laid_out else None,
-        complete=(root / COMPLETE_MARKER).exists() if laid_out else None, shards=len(ckpt.shards))
+        complete=(root / COMPLETE_MARKER).exists() if laid_out else None, shards=len(ckpt.shards),
+        tp_compat=marker.get("tp_compat") if laid_out else None)
     modules = find_modules(ckpt, fmt, [])
     roles: dict[str, str] = {}
     for module, w, s in modules:

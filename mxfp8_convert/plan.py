@@ -665,7 +665,8 @@ def build_plan(
             per_shard[info.file].append(TensorPlan(name, "passthrough", info.dtype, info.shape, "copy", name))
     shards = tuple(ShardPlan(rel, tuple(sorted(ts, key=_sort_key))) for rel, ts in sorted(per_shard.items()))
     _check_unique_names(shards, ckpt)
-    marker = quantization_config(ckpt, backend, fmt, ignored, layers)
+    tp = marker_tp_compat(ckpt, modules, backend) if backend.laid_out else None
+    marker = quantization_config(ckpt, backend, fmt, ignored, layers, tp)
     return ConversionPlan(
         source=str(ckpt.root), backend=backend.name, format=fmt.name, shards=shards,
         modules=tuple(modules), copied_files=ckpt.other_files, marker=marker, indexed=ckpt.indexed,
@@ -673,6 +674,16 @@ def build_plan(
         kept=tuple(m.name for m in modules if m.layout == CANONICAL_LAYOUT and backend.laid_out),
         moe=tuple(layers), moe_mode=moe,
     )
+
+
+def marker_tp_compat(ckpt: SourceCheckpoint, modules, backend: BackendSpec) -> list[int]:
+    """The marker's ``tp_compat`` (docs/FORMAT.md section 2a): tensor-parallel sizes at which
+    every quantized linear module slices on tile boundaries."""
+    from mxfp8_convert.engines.common import CANONICAL, Module, config_kv_heads, tp_compat
+
+    mods = [Module(m.name, m.n, m.k, CANONICAL if m.layout == "canonical" else backend.name)
+            for m in modules]
+    return tp_compat(mods, config_kv_heads(ckpt.config or {}), backend.name)
 
 
 def _original_config(ckpt: SourceCheckpoint) -> dict | None:
@@ -693,7 +704,8 @@ def moe_marker(layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...]) -> MoeMark
 
 def quantization_config(ckpt: SourceCheckpoint, backend: BackendSpec, fmt: FormatSpec,
                         ignored: list[str],
-                        moe_layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...] = ()) -> dict:
+                        moe_layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...] = (),
+                        tp_compat: list[int] | None = None) -> dict:
     """The ``quantization_config`` of the output: the marker (docs/FORMAT.md section 2), or plain
     MXFP8's for the canonical backend."""
     original = _original_config(ckpt)
@@ -703,4 +715,4 @@ def quantization_config(ckpt: SourceCheckpoint, backend: BackendSpec, fmt: Forma
         return canonical_config(original, ignored)
     return make_marker(backend.name, dialect=fmt.name, fingerprint=fingerprint(ckpt),
                        tool_version=__version__, ignored_layers=ignored, moe=moe_marker(moe_layers),
-                       original=original).to_dict()
+                       original=original, tp_compat=tp_compat).to_dict()

@@ -29,7 +29,7 @@ PACKAGE = Path(__file__).resolve().parents[1] / "mxfp8_convert"
 #: FORMAT.md section 2, the trtllm example with a fused MoE entry (section 3a)
 TRTLLM_MARKER = {
     "quant_method": "mxfp8_convert",
-    "format_version": 1,
+    "format_version": 2,
     "backend": "trtllm",
     "weight_layout": "p32_rows",
     "scale_layout": "pad128_p32_128x4",
@@ -55,13 +55,14 @@ TRTLLM_MARKER = {
         "experts_suffixes": {"gate": "w1", "up": "w3", "down": "w2"},
         "layers": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"],
     },
+    "tp_compat": [1, 2, 4, 8],
     "original_quantization_config": {"quant_method": "mxfp8", "weight_block_size": [1, 32]},
 }
 CUTLASS_MARKER = {**copy.deepcopy(TRTLLM_MARKER), "backend": "cutlass", "weight_layout": "identity",
                   "scale_layout": "128x4", "moe": None}
 #: FORMAT.md section 1a
 COMPLETION = {
-    "format_version": 1, "backend": "trtllm", "tool_version": "0.1.0",
+    "format_version": 2, "backend": "trtllm", "tool_version": "0.1.0",
     "source_fingerprint": "sha256:" + "cd" * 32,
     "quantization_errors": {"model.layers.0.mlp.up_proj": {"action": "requantize", "rel_fro": 0.035,
                                                             "sqnr_db": 29.1}},
@@ -74,13 +75,14 @@ def test_make_marker_writes_format_md_section_2():
     moe = MoeMarker(experts_suffixes={"gate": "w1", "up": "w3", "down": "w2"},
                     layers=("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"))
     got = make_marker("trtllm", dialect="sglang_mxfp8", fingerprint="sha256:" + "ab" * 32,
-                      tool_version="0.1.0", moe=moe,
+                      tool_version="0.1.0", moe=moe, tp_compat=[1, 2, 4, 8],
                       ignored_layers=["model.layers.0.mlp.gate", "lm_head", "lm_head"],
                       original={"quant_method": "mxfp8", "weight_block_size": [1, 32]})
     assert got.to_dict() == TRTLLM_MARKER
     assert list(got.to_dict()) == list(TRTLLM_MARKER)  # the order FORMAT.md shows
     plain = make_marker("cutlass", dialect="sglang_mxfp8", fingerprint="sha256:" + "ab" * 32,
                         tool_version="0.1.0", ignored_layers=["lm_head", "model.layers.0.mlp.gate"],
+                        tp_compat=(1, 2, 4, 8),
                         original={"quant_method": "mxfp8", "weight_block_size": [1, 32]})
     assert plain.to_dict() == CUTLASS_MARKER
 
@@ -105,6 +107,14 @@ def test_marker_without_moe_keys_reads_them_as_null():
     assert m.moe is None and m.original_quantization_config is None
 
 
+def test_version_1_marker_reads_without_tp_compat():
+    """Version 1 (FORMAT.md section 2): the same keys but ``tp_compat``, which reads as null."""
+    d = {**_without(CUTLASS_MARKER, "tp_compat"), "format_version": 1}
+    m = Marker.parse(d, "out/config.json")
+    assert m.format_version == 1 and m.tp_compat is None
+    assert Completion.parse({**COMPLETION, "format_version": 1}, "c.json").format_version == 1
+
+
 def _without(d: dict, key: str) -> dict:
     return {k: v for k, v in d.items() if k != key}
 
@@ -113,10 +123,12 @@ BAD_MARKERS = [
     (None, "out/config.json: no quantization_config: not an mxfp8-convert output"),
     ({**TRTLLM_MARKER, "quant_method": "mxfp8"},
      "out/config.json: quant_method is 'mxfp8', not 'mxfp8_convert': not an mxfp8-convert output"),
-    ({**TRTLLM_MARKER, "format_version": 2},
-     "out/config.json: format_version 2 is not supported (this release reads 1)"),
+    ({**TRTLLM_MARKER, "format_version": 3},
+     "out/config.json: format_version 3 is not supported (this release reads 1, 2)"),
     (_without(TRTLLM_MARKER, "format_version"),
-     "out/config.json: format_version None is not supported (this release reads 1)"),
+     "out/config.json: format_version None is not supported (this release reads 1, 2)"),
+    ({**TRTLLM_MARKER, "tp_compat": [1, "2"]},
+     "out/config.json: tp_compat: [1, '2'] is not a list of integers"),
     ({**TRTLLM_MARKER, "backend": "marlin"},
      "out/config.json: unknown backend 'marlin' (known: trtllm, cutlass)"),
     ({**TRTLLM_MARKER, "backend": "canonical"},
@@ -178,7 +190,7 @@ _REC = {"size": 1, "xxh3_128": "0" * 32}
 BAD_COMPLETIONS = [
     ([], "[] is not an object"),
     (_without(COMPLETION, "files"), "no 'files'"),
-    ({**COMPLETION, "format_version": 2}, "format_version 2 is not 1"),
+    ({**COMPLETION, "format_version": 3}, "format_version 3 is not one of 1, 2"),
     ({**COMPLETION, "backend": "marlin"}, "unknown backend 'marlin'"),
     (_files([]), "files: [] is not an object"),
     (_files({"/etc/passwd": _REC}), "files: '/etc/passwd' is not a path inside the folder"),
@@ -200,7 +212,7 @@ BAD_COMPLETIONS = [
 def test_completion_refusals(record, detail):
     with pytest.raises(MarkerError) as e:
         Completion.parse(copy.deepcopy(record), "out/mxfp8_convert.complete.json")
-    assert str(e.value) == ("out/mxfp8_convert.complete.json: not a format_version 1 completion "
+    assert str(e.value) == ("out/mxfp8_convert.complete.json: not a format_version 1/2 completion "
                             f"marker ({detail})")
 
 

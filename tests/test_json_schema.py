@@ -18,7 +18,7 @@ SHARD = {"name", "nbytes", "tensors"}
 TENSOR = {"name", "role", "dtype", "shape", "layout", "source", "nbytes"}
 VERIFY = {"ok", "path", "backend", "source", "files_checked", "tensors_checked", "modules_compared", "mismatches"}
 MISMATCH = {"where", "what", "position"}
-INSPECT = {"path", "format", "kind", "backend", "complete", "shards", "bytes_by_role", "count_by_role",
+INSPECT = {"path", "format", "kind", "backend", "complete", "tp_compat", "shards", "bytes_by_role", "count_by_role",
            "conversion", "modules", "moe_layers"}
 INSPECT_MODULE = {"name", "shape", "weight_dtype", "layout", "backends"}
 

@@ -107,7 +107,7 @@ def test_card_requirements_table(output):
     assert rows["GPU compute capability"] == ", ".join(
         f"sm_{c} ({c // 10}.{c % 10})" for c in spec.compute_capabilities)
     assert rows["FlashInfer"].startswith(f"`{FLASHINFER_LAYOUT_VERSION}`")
-    assert rows["format"] == '`quant_method: "mxfp8_convert"`, format version 1'
+    assert rows["format"] == '`quant_method: "mxfp8_convert"`, format version 2'
     assert rows["converted by"] == f"mxfp8-convert {__version__}"
 
 

@@ -300,6 +300,9 @@ def _render_inspect(console, report) -> None:
     head = [["path", report.path], ["format", f"{report.format} ({report.kind})"], ["shards", str(report.shards)]]
     if report.backend:
         head.append(["laid out for", f"{report.backend} (complete: {report.complete})"])
+        sizes = "not recorded (format version 1)" if report.tp_compat is None else (
+            ", ".join(map(str, report.tp_compat)) or "none")
+        head.append(["tensor parallel", sizes])
     for role in sorted(report.bytes_by_role):
         head.append([f"{role} tensors", f"{report.count_by_role[role]} ({human_bytes(report.bytes_by_role[role])})"])
     for backend, what in report.actions.items():

@@ -84,7 +84,8 @@ def test_refuses_plain_mxfp8_and_missing_marker(tmp_path):
 
 
 @pytest.mark.parametrize("key,value,match", [
-    ("format_version", 2, "format_version"),
+    ("format_version", 3, "format_version"),
+    ("format_version", 0, "format_version"),
     ("backend", "marlin", "unknown backend"),
     ("scale_layout", "128x4", "does not match backend"),
     ("weight_layout", "identity", "does not match backend"),
@@ -176,3 +177,10 @@ def test_reads_the_real_converters_output(tmp_path, layout):
 
         assert torch.equal(mxfp8_linear(x, w), reference_linear(x, q, code)), name
     assert names is not None
+
+
+def test_reads_format_version_1_as_well(tmp_path):
+    """Version 1 differs only by the missing tp_compat: same tensors, same bytes."""
+    marker = make_marker("trtllm", format_version=1)
+    write_checkpoint(tmp_path / "ck", _weights("trtllm"), backend="trtllm", marker=marker)
+    assert load_checkpoint(tmp_path / "ck").marker["format_version"] == 1

@@ -1,0 +1,115 @@
+"""engines/common.py: tp_compat as the converter records it, and each rank's slice of the file.
+
+The oracle is the source's canonical MXFP8 bytes: a rank's rows (or K columns) of the canonical
+weight and scale, laid out from scratch with the backend's own forward functions, must be
+byte-identical to the slice the engine core cuts from the converted file. For a TP size outside
+``tp_compat`` the first offending module is named, and its piece indeed is not tile-aligned.
+"""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+from mxfp8_convert import convert
+from mxfp8_convert.engines import common
+from mxfp8_convert.runtime.weight import MXFP8Weight
+from mxfp8_convert.synth import SynthSpec, linear_names, write_checkpoint
+
+# head_dim 128: q 512 rows, k/v 2 heads = 256 rows, MLP 1024; o_proj K 512, down_proj K 1024
+SPEC = SynthSpec(layers=1, hidden=512, intermediate=1024, heads=4, kv_heads=2, vocab=256, shards=1)
+
+
+def _stored(root):
+    out = {}
+    for f in sorted(root.glob("*.safetensors")):
+        out.update(load_file(str(f)))
+    return out
+
+
+def _rank_range(name: str, n: int, k: int, tp: int, rank: int) -> tuple[slice, slice]:
+    """Rows and K columns of rank ``rank``, from the model's own arithmetic (not common.py)."""
+    leaf = name.rpartition(".")[2]
+    if leaf in ("o_proj", "down_proj"):
+        return slice(0, n), slice(rank * k // tp, (rank + 1) * k // tp)
+    if leaf in ("k_proj", "v_proj") and tp >= SPEC.kv_heads:
+        head = rank // (tp // SPEC.kv_heads)
+        hd = n // SPEC.kv_heads
+        return slice(head * hd, (head + 1) * hd), slice(0, k)
+    return slice(rank * n // tp, (rank + 1) * n // tp), slice(0, k)
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
+def test_tp_compat_slices_are_the_layout_of_the_canonical_slices(tmp_path, backend):
+    src = write_checkpoint(tmp_path / "src", SPEC)
+    out = tmp_path / f"out-{backend}"
+    convert(src, backend, out)
+    marker = json.loads((out / "config.json").read_text())["quantization_config"]
+    assert marker["format_version"] == 2
+    # trtllm: o_proj at TP=4 has K=128 per rank, not the 256 its kernel needs
+    want = {"trtllm": [1, 2], "cutlass": [1, 2, 4]}[backend]
+    assert marker["tp_compat"] == want
+    ckpt = common.read_checkpoint(out)
+    assert ckpt.tp_compat == want and sorted(ckpt.modules) == sorted(m for m, _, _ in linear_names(SPEC))
+    source, stored = _stored(src), _stored(out)
+    for tp in common.TP_SIZES:
+        if tp not in want:
+            why = common.first_tp_violation(ckpt, tp)
+            assert why and f"at tensor parallel {tp}:" in why
+            with pytest.raises(common.LayoutError, match=f"tensor parallel {tp} is not in"):
+                common.check_tp(ckpt, tp)
+            continue
+        common.check_tp(ckpt, tp)
+        for name, n, k in linear_names(SPEC):
+            m = ckpt.modules[name]
+            gw, gs = common.grid(backend, "weight"), common.grid(backend, "scale")
+            for rank in range(tp):
+                rows, cols = _rank_range(name, n, k, tp, rank)
+                q = source[f"{name}.weight"][rows, cols]
+                code = source[f"{name}.weight_scale_inv"][rows, cols.start // 32:cols.stop // 32]
+                expect = MXFP8Weight.from_canonical(q.contiguous(), code.contiguous(), backend)
+                w, s = stored[f"{name}.weight"], stored[f"{name}.weight_scale_swizzled"]
+                if m.split == common.ROW:
+                    w = common.take_cols(w, gw, cols.start, cols.stop - cols.start)
+                    s = common.take_cols(s, gs, cols.start, cols.stop - cols.start)
+                else:
+                    start, size = common.rank_part(
+                        n, tp, rank, max(1, tp // SPEC.kv_heads) if m.split == common.KV_HEADS else 1)
+                    assert (start, size) == (rows.start, rows.stop - rows.start)
+                    w, s = common.take_rows(w, gw, start, size), common.take_rows(s, gs, start, size)
+                assert torch.equal(w.view(torch.uint8), expect.data.view(torch.uint8)), (name, tp, rank)
+                assert torch.equal(s, expect.scale), (name, tp, rank)
+
+
+def test_first_violation_names_the_module_and_why():
+    mods = [common.Module("model.layers.0.mlp.down_proj", 512, 1152, "cutlass"),
+            common.Module("model.layers.0.self_attn.k_proj", 128, 512, "cutlass"),
+            common.Module("model.layers.0.mystery", 256, 256, "cutlass")]
+    assert common.tp_violation(mods[0], 2, 1, "cutlass") == "K=576 per rank, not a multiple of 128"
+    assert common.tp_violation(mods[1], 2, 1, "cutlass") is None  # one KV head, whole on each rank
+    assert common.tp_violation(mods[1], 2, 4, "cutlass") == (  # 4 heads of 32 rows
+        "64 rows per rank, not a multiple of 128; per rank N=64 < 128")
+    assert common.tp_violation(mods[2], 2, 1, "cutlass") is None  # 128 rows and 128 K both ways
+    assert common.tp_violation(mods[2], 4, 1, "cutlass") == (
+        "64 rows per rank, not a multiple of 128; per rank N=64 < 128; "
+        "K=64 per rank, not a multiple of 128; per rank K=64 < 128")
+    assert common.tp_compat(mods, 1, "cutlass") == [1]
+    ck = common.EngineCheckpoint(None, {"backend": "cutlass"}, {m.name: m for m in mods}, 1)
+    assert common.first_tp_violation(ck, 2) == (
+        "model.layers.0.mlp.down_proj [512, 1152] (row-parallel, cutlass) at tensor parallel 2: "
+        "K=576 per rank, not a multiple of 128")
+
+
+def test_slices_off_the_tile_grid_are_refused():
+    g = common.grid("trtllm", "scale")
+    tiles = torch.zeros(4, 2, 512, dtype=torch.uint8)
+    assert common.take_rows(tiles, g, 128, 256).shape == (2, 2, 512)
+    with pytest.raises(common.LayoutError, match="not on a multiple of 128"):
+        common.take_rows(tiles, g, 64, 128, "q.weight_scale_swizzled")
+    with pytest.raises(common.LayoutError, match="past its"):
+        common.take_rows(tiles, g, 384, 256)
+    assert common.rank_part(128, 2, 1, replicas=2) == (0, 128)  # one KV head shared by 2 ranks
+    assert common.rank_part(256, 4, 3, replicas=2) == (128, 128)
