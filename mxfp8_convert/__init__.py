@@ -6,8 +6,7 @@ Public API::
     result = convert("path/to/model", "trtllm", "path/to/out")
 """
 
-__version__ = "0.1.0"
-
+from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BACKENDS, FLASHINFER_LAYOUT_VERSION, FORMAT_VERSION  # noqa: E402
 from mxfp8_convert.convert import (  # noqa: E402
     ConversionResult,

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import numpy as np
 
-from mxfp8_convert import __version__
 from mxfp8_convert._buffers import BufferPool
 from mxfp8_convert._lazy import torch, torch_loaded
+from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BACKENDS, BackendSpec, get_backend
 from mxfp8_convert.dtypes import torch_dtype
 from mxfp8_convert.errors import ConvertError, LayoutError, OutputError

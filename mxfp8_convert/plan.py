@@ -14,7 +14,7 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
-from mxfp8_convert import __version__
+from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BACKENDS, BackendSpec
 from mxfp8_convert.dtypes import FLOAT_DTYPES, UE8M0_DTYPES, itemsize
 from mxfp8_convert.errors import FormatError, IneligibleError, LayoutError, SourceError

@@ -14,7 +14,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
-from mxfp8_convert import __version__
+from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.errors import MarkerError, OutputError
 from mxfp8_convert.format import (

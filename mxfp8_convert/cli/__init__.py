@@ -13,7 +13,7 @@ from typing import Annotated
 
 import typer
 
-from mxfp8_convert import __version__
+from mxfp8_convert._version import __version__
 from mxfp8_convert.cli._errors import Terminated, handle_errors
 from mxfp8_convert.cli._output import Output, human_bytes, table
 

@@ -1,0 +1,4 @@
+"""The package version (its own module, so that submodules can read it without importing the
+package, which imports them)."""
+
+__version__ = "0.1.0"
