@@ -25,10 +25,10 @@ Engines (``engine=``, same names and ``auto`` rule as the dense linear, ``select
   (token-major linear ``uint8 [T, H/32]`` scales, what the MXFP8 MoE launcher reads). The weight
   scales are the checkpoint's tiles viewed as ``[E, 2I, H/32]`` / ``[E, H, I/32]`` (same bytes).
 - ``triton`` (Hopper): (token, slot) pairs sorted by expert (one host sync), then either
-  ``method="loop"`` (default): per expert the dense Triton kernel (``triton_mxfp8.py``) on that
+  ``method="loop"`` (default): per expert the dense Triton kernels (``runtime/hopper/``) on that
   expert's slice of the laid-out bytes: ``w13[e]`` is exactly a trtllm dense weight of the
   interleaved ``[2I, H]`` matrix, so output column ``2j`` is ``up_j`` and ``2j+1`` is ``gate_j``;
-  ``w2[e]`` is a trtllm dense ``[H, I]`` weight; or ``method="grouped"`` (``triton_moe.py``): one
+  ``w2[e]`` is a trtllm dense ``[H, I]`` weight; or ``method="grouped"`` (``hopper/grouped_moe.py``): one
   launch per GEMM for all experts, SwiGLU and requantization in FC1's epilogue. Both store FC1
   and FC2 outputs in bf16 (as the dense kernel does) and sum the top-k in float32; they agree
   bit for bit up to fp32 summation order. Against the oracle below they differ by ~1.6e-2
@@ -499,7 +499,7 @@ def expert_slices(experts: MXFP8MoEWeights, e: int) -> tuple[ExpertSlice, Expert
 
 
 #: How the triton engine runs the experts: ``"loop"`` (the dense kernel per expert, proven on the
-#: H200) or ``"grouped"`` (``triton_moe.py``: one launch per GEMM for all experts).
+#: H200) or ``"grouped"`` (``hopper/grouped_moe.py``: one launch per GEMM for all experts).
 TRITON_METHODS = ("loop", "grouped")
 DEFAULT_TRITON_METHOD = "grouped"  # measured on the H200 (BENCHMARKS.md): ~10x faster than "loop"
 
@@ -523,14 +523,14 @@ def triton_fused_moe(
     - ``method="loop"``: per expert, the dense kernel (``triton_linear``) on the expert's slice,
       FC1 into ``h13 [T*k, 2I]`` and FC2 into ``y [T*k, H]`` through ``out=`` slices; the SwiGLU
       runs once over all rows; the weighted sum is one float32 ``index_add_``.
-    - ``method="grouped"``: ``triton_moe.grouped_fused_moe`` (one launch per GEMM, SwiGLU and the
+    - ``method="grouped"``: ``hopper.grouped_moe.grouped_fused_moe`` (one launch per GEMM, SwiGLU and the
       requantization fused into FC1's epilogue). Same numbers up to fp32 summation order.
 
     Args:
         method: ``"loop"`` or ``"grouped"`` (default :data:`DEFAULT_TRITON_METHOD`).
         configs: loop only: ``(fc1, fc2)`` :class:`GemmConfig` for every expert (tests);
-            default: the rule's choice per shape (:func:`triton_mxfp8.default_config`).
-        grouped_config: grouped only: a ``triton_moe.GroupedConfig``.
+            default: the rule's choice per shape (``hopper.launch.default_config``).
+        grouped_config: grouped only: a ``hopper.grouped_moe.GroupedConfig``.
     """
     _check_inputs(hidden_states, topk_ids, topk_weights, experts, activation)
     method = method or DEFAULT_TRITON_METHOD
@@ -539,10 +539,10 @@ def triton_fused_moe(
     what = experts.name or "experts"
     order, offsets = _expert_spans(topk_ids, experts.num_experts, what)
     if method == "grouped":
-        from mxfp8_convert.runtime.triton_moe import grouped_fused_moe
+        from mxfp8_convert.runtime.hopper.grouped_moe import grouped_fused_moe
 
         return grouped_fused_moe(hidden_states, order, offsets, topk_weights, experts, config=grouped_config)
-    from mxfp8_convert.runtime.triton_mxfp8 import triton_linear
+    from mxfp8_convert.runtime.hopper.launch import triton_linear
 
     t, k = topk_ids.shape
     h, i = experts.hidden, experts.intermediate

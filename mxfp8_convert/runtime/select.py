@@ -91,7 +91,7 @@ def _run_flashinfer(x, weight, bias):
 
 
 def _run_triton(x, weight, bias):
-    from mxfp8_convert.runtime.triton_mxfp8 import triton_linear
+    from mxfp8_convert.runtime.hopper.launch import triton_linear
 
     return triton_linear(x, weight, bias)
 

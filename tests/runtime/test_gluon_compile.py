@@ -18,7 +18,7 @@ import subprocess
 import pytest
 import torch
 
-gluon_mxfp8 = pytest.importorskip("mxfp8_convert.runtime.gluon_mxfp8")
+wgmma_mod = pytest.importorskip("mxfp8_convert.runtime.hopper.wgmma")
 
 
 def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool = False, words: bool = False,
@@ -31,7 +31,7 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
     from triton.runtime.jit import mangle_type
 
     n, k = 4096, 4096
-    bk = gluon_mxfp8.BLOCK_K
+    bk = wgmma_mod.BLOCK_K
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
     wd = TensorDescriptor(w, [n, k], [k, 1], [block_n, bk],
                           gl.NVMMASharedLayout.get_default_for([block_n, bk], gl.float8e4nv))
@@ -47,7 +47,7 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
         xq = torch.empty(16, k, dtype=torch.float8_e4m3fn)
         sig.update(x_desc=mangle_type(TensorDescriptor(xq, [16, k], [k, 1], [bm, bk], x_smem)), x_ptr="*fp8e4nv")
         const = {}
-    const.update({"LAYOUT": gluon_mxfp8.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": True, "SERIAL": serial,
+    const.update({"LAYOUT": wgmma_mod.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": True, "SERIAL": serial,
                   "FUSE_QUANT": fuse, "BM": bm, "QM": qm or bm, "X_SMEM": x_smem, "STAGES": 2, "SW_AHEAD": 3,
                   "PDL": pdl, "RED_CHUNK": 4, "X_WORDS": words, "CLUSTER": cluster,
                   "RED_E": block_n * bm >> (cluster.bit_length() - 1) if cluster else 0,
@@ -56,7 +56,7 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
              for a in ("x_ptr", "s_ptr", "xc_ptr", "out_ptr", "ws_ptr", "K", "stride_xm")}
-    src = GluonASTSource(fn=gluon_mxfp8._wgmma_decode_kernel, signature=sig, constexprs=const, attrs=attrs)
+    src = GluonASTSource(fn=wgmma_mod._wgmma_decode_kernel, signature=sig, constexprs=const, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_n // 16})
     assert kernel.metadata.shared <= 64 * 1024
     cubin = kernel.asm["cubin"]
@@ -187,7 +187,7 @@ def test_launcher_refuses_what_the_kernel_cannot_read():
     out = torch.full((4, n), float("nan"), dtype=torch.bfloat16)
 
     def launch(x, **kw):
-        gluon_mxfp8.wgmma_decode(x, w, None, out, None, None, **{"split_k": 1, **kw})
+        wgmma_mod.wgmma_decode(x, w, None, out, None, None, **{"split_k": 1, **kw})
 
     with pytest.raises(LayoutError, match="dtype torch.int8"):
         launch(torch.zeros(4, k, dtype=torch.int8))
@@ -205,7 +205,7 @@ def test_launcher_refuses_what_the_kernel_cannot_read():
                                     torch.full((n, kk // 32), 127, dtype=torch.uint8), "trtllm", "proj")
     x = torch.zeros(4, kk, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="split_k=10: leaves a split of K = 4096 .* empty"):
-        gluon_mxfp8.wgmma_decode(x, wk, None, out, None, None, split_k=10)
+        wgmma_mod.wgmma_decode(x, wk, None, out, None, None, split_k=10)
     with pytest.raises(ValueError, match="split_k=16: leaves a split of K = 256 .* empty"):
         launch(torch.zeros(4, k, dtype=torch.bfloat16), split_k=16, cluster=True)
     assert out.isnan().all()  # refused before anything was launched or written
@@ -245,15 +245,15 @@ def test_launch_helpers_match_triton():
     import triton
     from triton.experimental.gluon import language as gl
 
-    from mxfp8_convert.runtime.triton_mxfp8 import _cdiv, _next_pow2
+    from mxfp8_convert.runtime.hopper.config import cdiv, next_pow2
 
     for a in range(1, 600):
-        assert _next_pow2(a) == triton.next_power_of_2(a)
+        assert next_pow2(a) == triton.next_power_of_2(a)
         for b in (1, 7, 16, 64, 128):
-            assert _cdiv(a, b) == triton.cdiv(a, b)
-    for rows in (8, 16, gluon_mxfp8.BLOCK_N):
-        expect = gl.NVMMASharedLayout.get_default_for([rows, gluon_mxfp8.BLOCK_K], gl.float8e4nv)
-        assert gluon_mxfp8._smem_layout(rows) == expect and gluon_mxfp8._smem_layout(rows) is gluon_mxfp8._smem_layout(rows)
+            assert cdiv(a, b) == triton.cdiv(a, b)
+    for rows in (8, 16, wgmma_mod.BLOCK_N):
+        expect = gl.NVMMASharedLayout.get_default_for([rows, wgmma_mod.BLOCK_K], gl.float8e4nv)
+        assert wgmma_mod._smem_layout(rows) == expect and wgmma_mod._smem_layout(rows) is wgmma_mod._smem_layout(rows)
 
 
 @pytest.mark.parametrize("bm,cluster", [(16, 8), (16, 16), (8, 3)])
@@ -297,19 +297,19 @@ def test_cluster_kernels_launch_as_clusters_from_their_first_launch():
         "self", "key", "signature", "device", "constexprs"]
     meta = SimpleNamespace(num_warps=4, num_ctas=1, shared=21504)
     assert CUDABackend.pack_metadata(None, meta) == (4, 1, 21504)
-    kernel = gluon_mxfp8._wgmma_decode_kernel
+    kernel = wgmma_mod._wgmma_decode_kernel
     assert kernel._do_compile.__wrapped__ is not None  # the wrapper is in place
     index = kernel.arg_names.index("CLUSTER")
 
     def compile_(key, signature, device, constexprs, options, attrs, warmup):
         return SimpleNamespace(packed_metadata=(4, 1, 21504))
 
-    wrapped = gluon_mxfp8._compile_for_clusters(compile_)
+    wrapped = wgmma_mod._compile_for_clusters(compile_)
     assert wrapped("k", {}, 0, {(index,): 8}, None, None, False).packed_metadata == (4, 8, 21504)
     assert wrapped("k", {}, 0, {(index,): 16}, None, None, True).packed_metadata == (4, 16, 21504)
     assert wrapped("k", {}, 0, {(index,): 0}, None, None, False).packed_metadata == (4, 1, 21504)
     launched = SimpleNamespace(packed_metadata=(4, 1, 21504))
-    gluon_mxfp8._launch_as_clusters(launched, 5)  # after a launch the wrapper did not see
+    wgmma_mod._launch_as_clusters(launched, 5)  # after a launch the wrapper did not see
     assert launched.packed_metadata == (4, 5, 21504)
 
 
@@ -318,8 +318,9 @@ def test_a_refused_cluster_launch_falls_back_to_global_memory(monkeypatch):
     which Triton's launcher raises), the call runs again with the partials summed by the last
     program, split so that no split is empty, and the device's rule chooses no clusters from then
     on; any other launch error is raised as it is."""
-    import mxfp8_convert.runtime.triton_mxfp8 as tri
+    import mxfp8_convert.runtime.hopper.launch as tri
     from mxfp8_convert.runtime import MXFP8Weight, quantize_mxfp8
+    from mxfp8_convert.runtime.hopper import Kernel, probe, wgmma_rule
 
     calls = []
     error = ["Triton Error [CUDA]: cluster misconfiguration"]
@@ -331,25 +332,25 @@ def test_a_refused_cluster_launch_falls_back_to_global_memory(monkeypatch):
             if cluster:
                 raise RuntimeError(error[0])
 
-    monkeypatch.setattr(tri, "_gluon", lambda: FakeGluon)
-    monkeypatch.setattr(tri, "_CLUSTERS_REFUSED", set())
+    monkeypatch.setattr(probe, "gluon", lambda: FakeGluon)
+    monkeypatch.setattr(probe, "CLUSTERS_REFUSED", set())
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
-    monkeypatch.setattr(tri, "_num_sms", lambda device: 132)
+    monkeypatch.setattr(probe, "num_sms", lambda device: 132)
     dev = torch.device("cuda")
-    assert tri.wgmma_rule(2, 576, 7168, dev).cluster  # DeepSeek kv_a: 16 splits as one cluster
+    assert wgmma_rule(2, 576, 7168, probe.device_facts(dev)).cluster  # DeepSeek kv_a: 16 splits, one cluster
     q, code = quantize_mxfp8(torch.randn(576, 7168))
     w = MXFP8Weight.from_canonical(q, code, "trtllm")
     x = torch.randn(2, 7168).bfloat16()
     out = torch.empty(2, 576, dtype=torch.bfloat16)
-    cfg = tri.GemmConfig(64, 16, 128, split_k=16, wgmma=True, sw_ahead=2, cluster=True)
+    cfg = tri.GemmConfig(64, 16, 128, Kernel.WGMMA, split_k=16, sw_ahead=2, cluster=True)
     error[0] = "Triton Error [CUDA]: out of memory"
     with pytest.raises(RuntimeError, match="out of memory"):
         tri._launch_wgmma(x, w, None, out, cfg)
-    assert not tri._CLUSTERS_REFUSED
+    assert not probe.CLUSTERS_REFUSED
     error[0] = "Triton Error [CUDA]: cluster misconfiguration"
     calls.clear()
     tri._launch_wgmma(x, w, None, out, cfg)
     # 56 K-tiles: 16 clustered splits, then 14 of 4 K-tiles each, last-program reduction
     assert calls == [(16, True, False, False), (14, False, True, True)]
-    assert tri._CLUSTERS_REFUSED == {0}
-    assert not tri.wgmma_rule(2, 576, 7168, dev).cluster
+    assert probe.CLUSTERS_REFUSED == {0}
+    assert not wgmma_rule(2, 576, 7168, probe.device_facts(dev)).cluster

@@ -553,13 +553,13 @@ def _check_triton(m: TinyMoE, out: torch.Tensor) -> None:
 
 @interp
 def test_interp_loop_matches_oracles(tiny):
+    from mxfp8_convert.runtime.hopper.config import GemmConfig
     from mxfp8_convert.runtime.moe import triton_fused_moe
-    from mxfp8_convert.runtime.triton_mxfp8 import GemmConfig
 
     _check_triton(tiny, triton_fused_moe(tiny.x, tiny.topk_ids, tiny.topk_weights, tiny.experts, method="loop"))
     configs = [  # split-K with both reductions, fused / separate quantization, both MMA orientations
         (GemmConfig(64, 16, 128, split_k=2, fuse_quant=True, serial_reduce=True),
-         GemmConfig(128, 16, 64, split_k=1, fuse_quant=False, w_in_regs=False)),
+         GemmConfig(128, 16, 64, split_k=1, fuse_quant=False)),
         (GemmConfig(128, 32, 64, split_k=3, fuse_quant=False, serial_reduce=False),
          GemmConfig(64, 16, 128, split_k=2, fuse_quant=True, serial_reduce=False)),
     ]
@@ -571,8 +571,8 @@ def test_interp_loop_matches_oracles(tiny):
 def test_interp_grouped_matches_oracles(tiny):
     """One launch per GEMM (SwiGLU + requantization in FC1's epilogue): every tile shape, and
     bit-equal to the per-expert path (same roundings; fp32 sums of exact products here)."""
+    from mxfp8_convert.runtime.hopper.grouped_moe import GroupedConfig
     from mxfp8_convert.runtime.moe import triton_fused_moe
-    from mxfp8_convert.runtime.triton_moe import GroupedConfig
 
     loop = triton_fused_moe(tiny.x, tiny.topk_ids, tiny.topk_weights, tiny.experts, method="loop")
     for cfg in (None, GroupedConfig(64, 32, 128), GroupedConfig(128, 16, 64), GroupedConfig(128, 128, 64, 8, 3)):
@@ -617,7 +617,7 @@ def test_grouped_kernel_compiles_for_hopper(swiglu):
         from triton.compiler import ASTSource
     except ImportError:
         pytest.skip(f"Triton {triton.__version__} has no ASTSource/GPUTarget compile API")
-    from mxfp8_convert.runtime.triton_moe import _grouped_mxfp8_kernel
+    from mxfp8_convert.runtime.hopper.grouped_moe import _grouped_mxfp8_kernel
 
     try:  # the ptxas Triton itself uses for sm_90 (3.9 ships two; the legacy one is too old)
         from triton.backends.nvidia.compiler import get_ptxas

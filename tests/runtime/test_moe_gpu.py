@@ -73,7 +73,7 @@ def test_skewed_routing(method):
 
 
 def test_grouped_configs_agree():
-    from mxfp8_convert.runtime.triton_moe import GroupedConfig
+    from mxfp8_convert.runtime.hopper.grouped_moe import GroupedConfig
 
     bench = _bench()
     e, h, i, k, t = 32, 2048, 768, 8, 200

@@ -16,8 +16,8 @@ import pytest
 import torch
 
 from mxfp8_convert.runtime import MXFP8Weight, mxfp8_linear
+from mxfp8_convert.runtime.hopper.shapes import MODEL_SHAPES
 from mxfp8_convert.runtime.reference import dequantize_mxfp8, fake_quantize_mxfp8, quantize_mxfp8
-from tests.runtime.shapes import MODEL_SHAPES
 
 pytestmark = pytest.mark.gpu
 LAYOUTS = ("trtllm", "cutlass")
@@ -26,7 +26,24 @@ MS = tuple(m for m in (1, 2, 4, 16, 100, 2048, 8192) if m <= int(os.environ.get(
 
 
 def _triton():
-    return pytest.importorskip("mxfp8_convert.runtime.triton_mxfp8")
+    """The Hopper package (``triton_linear``, the config builders, ``device_facts``, ...)."""
+    pytest.importorskip("triton")
+    import mxfp8_convert.runtime.hopper as tri
+
+    return tri
+
+
+def _gluon():
+    """The Gluon kernel's module, or None where Gluon is missing."""
+    from mxfp8_convert.runtime.hopper.probe import gluon
+
+    return gluon()
+
+
+def _facts():
+    from mxfp8_convert.runtime.hopper.probe import device_facts
+
+    return device_facts(torch.device("cuda"))
 
 
 def random_weight(n: int, k: int, layout: str, seed: int) -> tuple[MXFP8Weight, torch.Tensor, torch.Tensor]:
@@ -87,10 +104,11 @@ def test_activation_quantization_bit_exact(dtype):
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
 @pytest.mark.parametrize("fuse", [True, False])
-@pytest.mark.parametrize("w_in_regs", [True, False])
-def test_configs_agree(layout, fuse, w_in_regs):
-    """Every kernel variant: fused/separate quantization, both MMA orientations, split-K with the
-    serial (last-CTA) or the two-kernel reduction, repeated so the arrival counters must re-arm."""
+@pytest.mark.parametrize("block_n", [64, 128])
+def test_configs_agree(layout, fuse, block_n):
+    """The tile kernel's variants: fused/separate quantization, 64- and 128-row weight tiles,
+    split-K with the serial (last-CTA) or the two-kernel reduction, repeated so the arrival
+    counters must re-arm."""
     tri = _triton()
     n, k = 576, 7168
     w, q, code = random_weight(n, k, layout, seed=3)
@@ -98,8 +116,8 @@ def test_configs_agree(layout, fuse, w_in_regs):
     x = torch.randn(37, k, device="cuda", dtype=torch.bfloat16)
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
     for split, serial in ((1, True), (3, True), (3, False), (7, True)):
-        cfg = tri.GemmConfig(64 if w_in_regs else 128, 64, 128, split_k=split, fuse_quant=fuse,
-                             w_in_regs=w_in_regs, num_warps=4, num_stages=3, serial_reduce=serial)
+        cfg = tri.GemmConfig(block_n, 64, 128, split_k=split, fuse_quant=fuse,
+                             num_warps=4, num_stages=3, serial_reduce=serial)
         out = torch.full((37, n), float("nan"), device="cuda", dtype=torch.bfloat16)
         tri.triton_linear(x, w, bias, out=out, config=cfg)
         assert not out.isnan().any()
@@ -120,13 +138,14 @@ def test_decode_configs_agree(layout, m):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
     dev = torch.device("cuda")
+    facts = tri.device_facts(dev)
     variants = [  # (block_n, block_k, warps, fused quantization, waves, serial): each feature once
         (64, 256, 4, False, 2, True), (64, 256, 4, True, 3, True), (128, 256, 4, False, 3, True),
         (64, 256, 4, False, 0.01, True), (64, 256, 4, False, 3, False), (128, 128, 8, True, 4, False),
         (32, 128, 4, True, 4, True), (64, 128, 4, False, 4, True),
     ]
     for bn, bk, warps, fuse, waves, serial in variants:
-        cfg = tri.decode_config(m, n, k, dev, block_n=bn, block_k=bk, num_warps=warps, fuse_quant=fuse,
+        cfg = tri.decode_config(m, n, k, facts, block_n=bn, block_k=bk, num_warps=warps, fuse_quant=fuse,
                                 waves=waves, serial_reduce=serial)
         _check_twice(tri, x, w, bias, ref, cfg)
 
@@ -144,12 +163,13 @@ def test_gemv_configs_agree(layout, m):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
     dev = torch.device("cuda")
+    facts = tri.device_facts(dev)
     variants = [  # (block_n, block_k, warps, fused quantization, waves, serial, words)
         (32, 256, 4, True, 4, True, True), (32, 256, 4, False, 4, True, True), (64, 256, 4, True, 8, True, True),
         (32, 512, 4, True, 0.01, True, True), (32, 256, 4, True, 4, False, True), (32, 256, 4, True, 4, True, False),
     ]
     for bn, bk, warps, fuse, waves, serial, words in variants:
-        cfg = tri.gemv_config(m, n, k, dev, block_n=bn, block_k=bk, num_warps=warps, fuse_quant=fuse,
+        cfg = tri.gemv_config(m, n, k, facts, block_n=bn, block_k=bk, num_warps=warps, fuse_quant=fuse,
                               waves=waves, serial_reduce=serial, words=words)
         _check_twice(tri, x, w, bias, ref, cfg)
 
@@ -170,7 +190,7 @@ def test_wgmma_configs_agree(layout, n, m):
     activations are loaded as int32 words of two (M >= 2) or element by element: the three paths'
     outputs are equal, bit for bit, config by config."""
     tri = _triton()
-    if tri._gluon() is None:
+    if _gluon() is None:
         pytest.skip("Triton's Gluon is not installed")
     k = 7168
     w, q, code = random_weight(n, k, layout, seed=23 + m)
@@ -178,10 +198,11 @@ def test_wgmma_configs_agree(layout, n, m):
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
     dev = torch.device("cuda")
+    facts = tri.device_facts(dev)
     configs = ((3, 2, True, 1, False), (2, 0.01, True, 2, False), (6, 4, True, 3, False), (3, 2, False, 2, False),
                (2, 3, True, 2, True), (2, 3, False, 2, True))  # ..., programmatic dependent launch
     for stages, waves, serial, ahead, pdl in configs:
-        cfgs = [tri.wgmma_config(m, n, k, dev, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse,
+        cfgs = [tri.wgmma_config(m, n, k, facts, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse,
                                  sw_ahead=ahead, pdl=pdl) for fuse in (True, False)]
         cfgs.append(dataclasses.replace(cfgs[0], x_words=False))  # bf16 loaded element by element
         if pdl:  # the weight's first tile loaded before the wait; a second kernel's early release;
@@ -194,9 +215,9 @@ def test_wgmma_configs_agree(layout, n, m):
         assert all(torch.equal(outs[0], o) for o in outs[1:]), (stages, waves, serial, ahead, pdl)
     # the splits as one cluster, summed through DSMEM: the bits of the serial reduction where the
     # K-tiles split the same way (56 = 8 x 7), within 1e-2 of the reference for 16 uneven splits
-    serial8 = _check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True,
+    serial8 = _check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, facts, waves=2, fuse_quant=True,
                                                                   max_split=8))
-    cl8 = tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True, max_split=8, cluster=True, pdl=True)
+    cl8 = tri.wgmma_config(m, n, k, facts, waves=2, fuse_quant=True, max_split=8, cluster=True, pdl=True)
     assert cl8.cluster and cl8.split_k == 8
     assert torch.equal(_check_twice(tri, x, w, bias, ref, cl8), serial8)
     if tri.pdl_enabled(dev):  # the weight and the activations' lines prefetched before the wait
@@ -204,7 +225,7 @@ def test_wgmma_configs_agree(layout, n, m):
                                                                                 x_prefetch=True)), serial8)
     # activations quantized by the kernel before (read by TMA): the same bits
     assert torch.equal(_check_twice(tri, x, w, bias, ref, dataclasses.replace(cl8, fuse_quant=False)), serial8)
-    cl16 = tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True, max_split=16, cluster=True)
+    cl16 = tri.wgmma_config(m, n, k, facts, waves=2, fuse_quant=True, max_split=16, cluster=True)
     assert cl16.cluster and cl16.split_k == 16
     _check_twice(tri, x, w, bias, ref, cl16)
     if m >= 3:  # 128-row programs (two warpgroups sharing each activation tile): each row's bits as
@@ -213,7 +234,7 @@ def test_wgmma_configs_agree(layout, n, m):
             wide = dataclasses.replace(cfg, block_n=128, num_warps=8)
             assert torch.equal(_check_twice(tri, x, w, bias, ref, wide), serial8), wide
         for serial in (True, False):
-            cfg = tri.wgmma_config(m, n, k, dev, waves=1, fuse_quant=True, serial_reduce=serial, block_n=128)
+            cfg = tri.wgmma_config(m, n, k, facts, waves=1, fuse_quant=True, serial_reduce=serial, block_n=128)
             assert cfg.block_n == 128 and cfg.split_k > 1
             assert torch.equal(_check_twice(tri, x, w, bias, ref, cfg),
                                _check_twice(tri, x, w, bias, ref, dataclasses.replace(cfg, block_n=64, num_warps=4)))
@@ -221,22 +242,22 @@ def test_wgmma_configs_agree(layout, n, m):
                 opts = dataclasses.replace(cfg, pdl=True, prefetch=True, red_release=True, phys_partials=True)
                 assert torch.equal(_check_twice(tri, x, w, bias, ref, opts), _check_twice(
                     tri, x, w, bias, ref, dataclasses.replace(opts, block_n=64, num_warps=4)))
-        unsplit = tri.wgmma_config(m, n, k, dev, waves=0.01, fuse_quant=True, block_n=128)
+        unsplit = tri.wgmma_config(m, n, k, facts, waves=0.01, fuse_quant=True, block_n=128)
         assert torch.equal(_check_twice(tri, x, w, bias, ref, unsplit),
                            _check_twice(tri, x, w, bias, ref, dataclasses.replace(unsplit, block_n=64, num_warps=4)))
     # partials loaded 4, 8 or 16 (the default here: 28 splits) per round trip: the same sums
-    chunked = [_check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, dev, waves=2, fuse_quant=True,
+    chunked = [_check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, facts, waves=2, fuse_quant=True,
                                                                    red_chunk=chunk)) for chunk in (0, 4, 8)]
     assert torch.equal(chunked[0], chunked[1]) and torch.equal(chunked[0], chunked[2])
 
 
 def test_wgmma_cluster_launch_and_its_fallback():
     """A cluster config's kernel is launched as clusters of its split (Triton compiles it for one
-    CTA; ``gluon_mxfp8`` makes its launcher ask for the clusters), and the same kernel launched
+    CTA; ``wgmma.py`` makes its launcher ask for the clusters), and the same kernel launched
     without clusters computes the whole K in each program: the right result either way, and in
     fp32 (written by the kernel itself) not the same bits, which shows the clusters were real."""
-    tri = _triton()
-    gluon = tri._gluon()
+    _triton()
+    gluon = _gluon()
     if gluon is None:
         pytest.skip("Triton's Gluon is not installed")
     m, n, k = 4, 1024, 4096
@@ -276,12 +297,13 @@ def test_wgmma_pdl_chain_reads_each_previous_output(m):
     before is still writing them."""
     tri = _triton()
     dev = torch.device("cuda")
-    if tri._gluon() is None or not tri.pdl_enabled(dev):
+    facts = tri.device_facts(dev)
+    if _gluon() is None or not tri.pdl_enabled(dev):
         pytest.skip("needs Triton's Gluon and programmatic dependent launch")
     dims = (7168, 1536, 4096, 1024, 2048)  # K of each GEMM, then its N = the next one's K
     ws = [random_weight(n, k, "trtllm", seed=41 + i)[0] for i, (k, n) in enumerate(zip(dims, dims[1:], strict=False))]
-    rule = [tri.choose_config(m, w.shape[0], w.shape[1], dev) for w in ws]
-    assert all(c.wgmma and c.pdl and c.split_k > 1 for c in rule)
+    rule = [tri.choose_config(m, w.shape[0], w.shape[1], facts) for w in ws]
+    assert all(c.kind is tri.Kernel.WGMMA and c.pdl and c.split_k > 1 for c in rule)
     xs = [torch.randn(m, dims[0], device="cuda", dtype=torch.bfloat16) for _ in range(6)]
 
     def chain(x, sync, between, cfgs):
@@ -311,18 +333,19 @@ def test_wgmma_activation_dtypes(dtype, m):
     same config fed by the quantization kernel; also in programs of 128 rows (from M = 3), whose
     eight warps load the elements as the 64-row program's four do."""
     tri = _triton()
-    if tri._gluon() is None:
+    if _gluon() is None:
         pytest.skip("Triton's Gluon is not installed")
     n, k = 576, 7168
     w, q, code = random_weight(n, k, "trtllm", seed=31)
     x = (torch.randn(m, k, device="cuda") * torch.logspace(-3, 3, k, device="cuda")).to(dtype)
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
     dev = torch.device("cuda")
-    fused = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, dev, fuse_quant=True, sw_ahead=2))
-    before = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, dev, fuse_quant=False, sw_ahead=2))
+    facts = tri.device_facts(dev)
+    fused = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, facts, fuse_quant=True, sw_ahead=2))
+    before = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, facts, fuse_quant=False, sw_ahead=2))
     assert torch.equal(fused, before)
     if m >= 3:
-        wide = tri.wgmma_config(m, n, k, dev, fuse_quant=True, sw_ahead=2, block_n=128, max_split=8)
+        wide = tri.wgmma_config(m, n, k, facts, fuse_quant=True, sw_ahead=2, block_n=128, max_split=8)
         narrow = dataclasses.replace(wide, block_n=64, num_warps=4)
         assert torch.equal(_check_twice(tri, x, w, None, ref, wide), _check_twice(tri, x, w, None, ref, narrow))
 
@@ -333,13 +356,13 @@ def test_wgmma_unaligned_bf16_rows(m):
     stride) cannot be read as int32 words: the kernel loads them element by element, with the
     bits of the aligned words."""
     tri = _triton()
-    if tri._gluon() is None:
+    if _gluon() is None:
         pytest.skip("Triton's Gluon is not installed")
     n, k = 576, 2048
     w, q, code = random_weight(n, k, "trtllm", seed=37)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
-    cfg = tri.wgmma_config(m, n, k, torch.device("cuda"), fuse_quant=True, sw_ahead=2)
+    cfg = tri.wgmma_config(m, n, k, _facts(), fuse_quant=True, sw_ahead=2)
     aligned = _check_twice(tri, x, w, None, ref, cfg)
     for pad, start in ((2, 1), (1, 0)):  # odd offset (even stride); odd stride
         buf = torch.zeros(m, k + pad, device="cuda", dtype=torch.bfloat16)
@@ -366,24 +389,23 @@ def test_cublas_path_agrees(layout, bias_dtype):
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
     if bias is not None:
         ref += bias.to(torch.bfloat16).double()
-    dev = torch.device("cuda")
     assert torch.equal(tri.dequantize_weight(w).float(), dequantize_mxfp8(q, code))
     assert torch.equal(tri.dequantize_weight(w, 37, 901).float(), dequantize_mxfp8(q, code)[37:901])
     for chunk in (0, 128, 1000):
-        cfg = tri.cublas_config(m, n, k, dev, chunk_n=chunk)
+        cfg = tri.cublas_config(m, n, k, chunk_n=chunk)
         _check_twice(tri, x, w, bias, ref, cfg)
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name,n,k", MODEL_SHAPES[::3], ids=[s[0] for s in MODEL_SHAPES[::3]])
 def test_tile_kernel_at_large_m(name, n, k, layout):
-    """The tile kernel stays valid at M >= CUBLAS_MIN_M (``choose_config(..., cublas=False)``)."""
+    """The tile kernel stays valid at M >= cublas_min_m (``tile_config``)."""
     tri = _triton()
     m = 2048
     w, q, code = random_weight(n, k, layout, seed=n + k)
     x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-    cfg = tri.choose_config(m, n, k, x.device, cublas=False)
-    assert not cfg.cublas
+    cfg = tri.tile_config(m, n, k, _facts())
+    assert cfg.kind is tri.Kernel.TILE
     out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
     tri.triton_linear(x, w, out=out, config=cfg)
     assert not out.isnan().any()
@@ -395,44 +417,45 @@ def test_decode_is_the_rule_where_measured_faster():
     tri = _triton()
     if torch.cuda.get_device_capability() < (8, 9):
         pytest.skip("FP8 tensor cores need SM89+")
-    dev = torch.device("cuda")
-    assert tri.choose_config(3, 24576, 1536, dev, wgmma=False).decode  # DeepSeek q_b_proj
-    assert tri.choose_config(4, 18432, 7168, dev, wgmma=False).decode  # DeepSeek mlp.gate_up_proj
-    assert not tri.choose_config(16, 18432, 7168, dev, wgmma=False).decode
-    assert not tri.choose_config(4, 4096, 4096, dev, wgmma=False).decode
-    assert tri.choose_config(1, 9728, 2560, dev, wgmma=False).gemv  # M = 1 without the wgmma kernel: GEMV
+    facts = dataclasses.replace(_facts(), gluon=False)  # as without the Gluon kernel
+    decode, gemv = tri.Kernel.DECODE, tri.Kernel.GEMV
+    assert tri.choose_config(3, 24576, 1536, facts).kind is decode  # DeepSeek q_b_proj
+    assert tri.choose_config(4, 18432, 7168, facts).kind is decode  # DeepSeek mlp.gate_up_proj
+    assert tri.choose_config(16, 18432, 7168, facts).kind is not decode
+    assert tri.choose_config(4, 4096, 4096, facts).kind is not decode
+    assert tri.choose_config(1, 9728, 2560, facts).kind is gemv  # M = 1 without the wgmma kernel
 
 
 def test_wgmma_is_the_rule_where_measured_faster():
-    """On Hopper with Gluon, the table of ``wgmma_rule`` (checked in full on CPU by
-    test_triton_interpreter.py::test_wgmma_rule_table) holds on this device; a weight the kernel
-    cannot read by TMA falls back."""
+    """On Hopper with Gluon, the rule (checked in full on CPU by test_hopper_rules.py) holds on
+    this device's probed facts; a weight the kernel cannot read by TMA falls back."""
     tri = _triton()
-    if torch.cuda.get_device_capability()[0] != 9 or tri._gluon() is None:
+    if torch.cuda.get_device_capability()[0] != 9 or _gluon() is None:
         pytest.skip("needs Hopper and Triton's Gluon")
-    dev = torch.device("cuda")
-    pdl = tri.pdl_enabled(dev)
-    assert tri.choose_config(1, 1024, 4096, dev).wgmma == pdl  # 4.2 M elements: else the GEMV kernel
+    pdl = tri.pdl_enabled(torch.device("cuda"))
+    facts = _facts()
+    wgmma = tri.Kernel.WGMMA
+    assert (tri.choose_config(1, 1024, 4096, facts).kind is wgmma) == pdl  # 4.2 M elements: else the GEMV kernel
     for m in (1, 2, 8, 16):
-        cfg = tri.choose_config(m, 18432, 7168, dev)
-        assert cfg.wgmma and cfg.fuse_quant and cfg.sw_ahead == 2 and cfg.pdl == pdl
+        cfg = tri.choose_config(m, 18432, 7168, facts)
+        assert cfg.kind is wgmma and cfg.fuse_quant and cfg.sw_ahead == 2 and cfg.pdl == pdl
     # M <= 8: the splits of a row tile as one cluster (7 of a 16.8 M weight, 16 of DeepSeek kv_a's)
-    assert tri.choose_config(4, 4096, 4096, dev).cluster and tri.choose_config(8, 4096, 4096, dev).split_k == 7
-    assert tri.choose_config(2, 576, 7168, dev).cluster and tri.choose_config(2, 576, 7168, dev).split_k == 16
+    assert tri.choose_config(4, 4096, 4096, facts).cluster and tri.choose_config(8, 4096, 4096, facts).split_k == 7
+    assert tri.choose_config(2, 576, 7168, facts).cluster and tri.choose_config(2, 576, 7168, facts).split_k == 16
     # M = 16: clusters on up to 32 row tiles, else a second kernel sums the partials
-    assert tri.choose_config(16, 1024, 4096, dev).cluster and tri.choose_config(16, 576, 7168, dev).cluster
-    cfg = tri.choose_config(16, 4096, 4096, dev)
-    assert cfg.wgmma and not cfg.cluster and cfg.split_k > 1 and not cfg.serial_reduce
+    assert tri.choose_config(16, 1024, 4096, facts).cluster and tri.choose_config(16, 576, 7168, facts).cluster
+    cfg = tri.choose_config(16, 4096, 4096, facts)
+    assert cfg.kind is wgmma and not cfg.cluster and cfg.split_k > 1 and not cfg.serial_reduce
     assert (cfg.block_n, cfg.split_k) == (128, 8)  # 1.94 programs of 128 rows per SM, 4 K-tiles each
     # with PDL the weight's first tile is loaded (and the activations' lines asked of L2) before the
     # wait, and the second kernel (summing physical-order partials) lets the next kernel launch
     # once the partials are complete
     assert (cfg.prefetch, cfg.x_prefetch, cfg.red_release, cfg.phys_partials) == (pdl, pdl, pdl, True)
     # ... but on N = 7168 (DeepSeek expert.down, o_proj, mlp.down): 128-row programs in clusters of 4
-    cfg = tri.choose_config(16, 7168, 2048, dev)
-    assert cfg.wgmma and cfg.cluster and cfg.block_n == 128 and cfg.num_warps == 8 and cfg.split_k == 4
-    assert not tri.choose_config(16, 24576, 1536, dev).pdl  # K unsplit at M > 8
-    assert not tri.choose_config(17, 18432, 7168, dev).wgmma
+    cfg = tri.choose_config(16, 7168, 2048, facts)
+    assert cfg.kind is wgmma and cfg.cluster and cfg.block_n == 128 and cfg.num_warps == 8 and cfg.split_k == 4
+    assert not tri.choose_config(16, 24576, 1536, facts).pdl  # K unsplit at M > 8
+    assert tri.choose_config(17, 18432, 7168, facts).kind is not wgmma
     w, q, code = random_weight(4096, 4096, "canonical", seed=2)  # no 128x4 scale words: falls back
     x = torch.randn(4, 4096, device="cuda", dtype=torch.bfloat16)
     out = tri.triton_linear(x, w)

@@ -1,6 +1,6 @@
 """Write ``hopper_configs.json``: the configs that the selection rules of commit a5719ef (the
-single-module ``runtime/triton_mxfp8.py``) chose for the model shapes, as the fixed expectation of
-``tests/runtime/test_hopper_rules.py``. Run against that commit's tree, not this one:
+single-module ``runtime/triton_mxfp8.py``) chose for the model shapes and a few edge shapes, as
+the fixed expectation of ``tests/runtime/test_hopper_rules.py``. Run against that commit's tree, not this one:
 
     git archive a5719ef | tar -x -C /tmp/a5719ef
     python tests/runtime/data/snapshot_configs.py /tmp/a5719ef
@@ -17,6 +17,14 @@ import sys
 from pathlib import Path
 
 M_VALUES = (*range(1, 17), 256, 2048)
+# shapes beside the models' that sit at the rules' boundaries (128-row programs per SM, K not a
+# multiple of 128 or of 256, N not a multiple of 64)
+EXTRA_SHAPES = [
+    ("edge.n6272", 6272, 2048), ("edge.n6400", 6400, 2048), ("edge.n8448", 8448, 2048),
+    ("edge.n8576", 8576, 2048), ("edge.n7168.k512", 7168, 512), ("edge.n4352", 4352, 4096),
+    ("edge.k4000", 4096, 4000), ("edge.k160", 576, 160), ("edge.n544.k1024", 544, 1024),
+    ("edge.n4000", 4000, 4096),
+]
 # name: (capability or None for the CPU interpreter, SMs, MXFP8_PDL, Gluon, clusters refused)
 DEVICES = {
     "h200": ((9, 0), 132, None, True, False),
@@ -34,9 +42,8 @@ DEVICES = {
 def main() -> None:
     old_root = Path(sys.argv[1]).resolve()
     sys.path.insert(0, str(old_root))
-    import torch
-
     import mxfp8_convert.runtime.triton_mxfp8 as tri
+    import torch
 
     assert Path(tri.__file__).resolve().is_relative_to(old_root), tri.__file__
     shapes_ns: dict = {}
@@ -58,7 +65,7 @@ def main() -> None:
             os.environ["MXFP8_PDL"] = pdl_env
         dev = torch.device("cpu" if cap is None else "cuda")
         rows = out["devices"][name] = []
-        for shape, n, k in shapes_ns["MODEL_SHAPES"]:
+        for shape, n, k in shapes_ns["MODEL_SHAPES"] + EXTRA_SHAPES:
             for m in M_VALUES:
                 cfg = tri.choose_config(m, n, k, dev)
                 rows.append([shape, m, n, k, *(getattr(cfg, f) for f in fields)])
@@ -66,7 +73,7 @@ def main() -> None:
     lines = ",\n".join(f"{json.dumps(d)}: [\n" + ",\n".join(map(json.dumps, rows)) + "\n]"
                         for d, rows in out["devices"].items())
     dst.write_text(f'{{"fields": {json.dumps(out["fields"])},\n"devices": {{\n{lines}\n}}}}\n')
-    print(f"{dst}: {sum(len(r) for r in out['devices'].values())} configs")  # noqa: T201
+    print(f"{dst}: {sum(len(r) for r in out['devices'].values())} configs")
 
 
 if __name__ == "__main__":

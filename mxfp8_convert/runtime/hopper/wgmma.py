@@ -1,6 +1,6 @@
 """Decode GEMM (M <= 16) on Hopper in Gluon: FP8 wgmma per 32-block, several in flight.
 
-Why Gluon: the Triton decode kernel (``triton_mxfp8._mxfp8_decode_kernel``) issues one FP8 MMA
+Why Gluon: the Triton decode kernel (``decode.py``) issues one FP8 MMA
 per 32-block of K and Triton 3.6 waits for each before the next (its pipeliner only overlaps
 MMAs that chain one accumulator), so a program spends one tensor-core round trip per 2 KB of
 weight. Gluon gives the wait to us: per K-tile the four 32-block MMAs go out back to back into
@@ -10,10 +10,10 @@ buffers, so loads for later tiles are in flight during the MMAs.
 
 Activations come either as e4m3 bytes (from ``quantize_activations``, by TMA into the ring) or
 as bf16/fp16/fp32, quantized inside the kernel (``FUSE_QUANT``: one launch instead of two, the
-rule's choice everywhere since the fifth session): each program loads the K-tile it needs, only
+rule's choice everywhere): each program loads the K-tile it needs, only
 its ``QM`` rows (M rounded up to a power of two; warp j takes 32-block j, or half its rows in a
 program of two warpgroups), rounds it as
-``mxfp8_quantize`` does (the code by the shared ``triton_mxfp8`` helper, the e4m3 rounding by the
+``mxfp8_quantize`` does (the code by the shared ``jit`` helper, the e4m3 rounding by the
 hardware's ``cvt.rn.satfinite``, which gives the same bytes), stores the e4m3 tile to shared
 memory (MMA columns QM..BM-1 read zeros) and the blocks' scales beside it, fences the tile for
 the async proxy and meets the other warps at the one barrier the tile needs before the wgmma
@@ -73,15 +73,8 @@ from triton.experimental.gluon.language.nvidia.hopper import (
 from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfp8_convert.errors import LayoutError
-from mxfp8_convert.runtime.triton_mxfp8 import (
-    CLUSTER_SIZES,
-    _cdiv,
-    _next_pow2,
-    _p32_logical,
-    _pow2_f32,
-    _scale_row_base,
-    _ue8m0_code,
-)
+from mxfp8_convert.runtime.hopper.config import CLUSTER_SIZES, cdiv, next_pow2
+from mxfp8_convert.runtime.hopper.jit import _p32_logical, _pow2_f32, _scale_row_base, _ue8m0_code
 from mxfp8_convert.runtime.weight import MXFP8Weight
 
 # TMA global->shared load: ``async_load`` since Triton 3.7, ``async_copy_global_to_shared`` before
@@ -195,7 +188,7 @@ def _quantize_tile(xt, xq_s, xs_s, x4_l: gl.constexpr):
 
     The e4m3 rounding is the hardware's (``cvt.rn.satfinite``: nearest, ties to even); the scaled
     values lie within +-448 by the choice of code, so saturation never applies and the bytes are
-    those of the reference rounding (``triton_mxfp8._round_e4m3``, which the CPU interpreter needs)."""
+    those of the reference rounding (``jit._round_e4m3``, which the CPU interpreter needs)."""
     QM: gl.constexpr = xt.shape[0]
     BM: gl.constexpr = xq_s.shape[0]
     if xt.dtype == gl.int32:  # a bf16 is the high half of its fp32: one shift or mask per value
@@ -512,7 +505,7 @@ def wgmma_decode(
     if cluster and split_k not in CLUSTER_SIZES:
         raise ValueError(f"split_k={split_k}: a cluster holds {', '.join(map(str, CLUSTER_SIZES))} programs")
     k_tiles = k // BLOCK_K  # every split needs a K-tile (an empty one would read scale words past its end)
-    if split_k > k_tiles or (not cluster and (split_k - 1) * _cdiv(k_tiles, split_k) >= k_tiles):
+    if split_k > k_tiles or (not cluster and (split_k - 1) * cdiv(k_tiles, split_k) >= k_tiles):
         raise ValueError(f"split_k={split_k}: leaves a split of K = {k} ({k_tiles} tiles of {BLOCK_K}) empty")
     partial = split_k > 1 and not cluster
     early = prefetch and pdl and fuse  # loads before the PDL wait: only with the activations quantized here
@@ -522,12 +515,12 @@ def wgmma_decode(
     xk, stride_xm = (x.view(torch.int32), x.stride(0) // 2) if words else (x, x.stride(0))
     scale = weight.scale.view(torch.int32)
     cp4 = (k // 32 + 3) // 4
-    compiled = _wgmma_decode_kernel[(_cdiv(n, block_n), 1 if cluster else split_k)](
+    compiled = _wgmma_decode_kernel[(cdiv(n, block_n), 1 if cluster else split_k)](
         w_desc, x_desc, xk, scale, scale if fuse else xc, bias if bias is not None else out, out,
         ws if partial else out, lock if lock is not None else scale, m, n, k, stride_xm, out.stride(0),
         m * n, cp4, split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
-        SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=_next_pow2(m),
+        SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=next_pow2(m),
         X_SMEM=x_layout, STAGES=stages, SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, X_WORDS=words,
         CLUSTER=split_k if cluster else 0,
         RED_E=block_n * bm >> (split_k.bit_length() - 1) if cluster else 0, PREFETCH=early,

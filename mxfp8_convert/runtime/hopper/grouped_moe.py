@@ -4,7 +4,7 @@ The per-expert path of :func:`mxfp8_convert.runtime.moe.triton_fused_moe` calls 
 once per expert and GEMM, so at decode/prefill batch sizes with 256 experts it is bound by
 ~500 Python launches. Here each GEMM is one launch over a tile schedule ``(expert, first row,
 end row)`` built on the host from the expert counts, with the same data path as the dense kernel
-(``triton_mxfp8.py``: P32 row gather, 128x4 scale words, exact dequantization to bf16, bf16 MMA
+(``tile.py``: P32 row gather, 128x4 scale words, exact dequantization to bf16, bf16 MMA
 with fp32 accumulation, transposed tile so the weight is the register operand):
 
 - FC1 gathers its activation rows by token (the input ``x [T, H]`` is quantized once, not
@@ -28,14 +28,13 @@ import triton
 import triton.language as tl
 
 from mxfp8_convert.errors import LayoutError
-from mxfp8_convert.runtime.triton_mxfp8 import (
-    _check_device,
+from mxfp8_convert.runtime.hopper.jit import (
     _dequant_weight,
     _load_codes,
     _mx_fake_quant,
     _scale_row_base,
-    quantize_activations,
 )
+from mxfp8_convert.runtime.hopper.launch import _check_device, quantize_activations
 
 
 @triton.jit

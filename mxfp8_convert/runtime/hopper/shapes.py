@@ -1,4 +1,5 @@
-"""Linear shapes ``(name, N, K)`` of the models the runtime is proven on (N = out, K = in features)."""
+"""Linear shapes ``(name, N, K)`` of the models the Hopper rules were tuned and are tested on
+(N = out, K = in features); benchmarks and tests both import them from here."""
 
 LLAMA3_8B = [  # hidden 4096, 32 heads / 8 KV heads x 128, MLP 14336
     ("llama3-8b.q_proj", 4096, 4096),

@@ -1,0 +1,443 @@
+"""Host side of the Hopper engine: the launchers of each kernel family and the public entry points
+:func:`triton_linear`, :func:`quantize_activations` and :func:`dequantize_weight`.
+
+A call without ``config`` takes :func:`default_config` (the rules of ``rules.py`` on the facts of
+``probe.py``, memoized). Activations are quantized to MXFP8 with FlashInfer's recipe either inside
+the GEMM kernel or by :func:`quantize_activations` first; split-K partials are summed by
+``reduce.py`` or by the last program of each tile to arrive (an atomic arrival counter). From
+``cublas_min_m`` the weight is dequantized exactly by ``dequant.py`` into a transient bf16
+workspace of at most ``dequant_workspace`` elements (chunk by chunk; ``rules.TUNED``) and cuBLAS
+multiplies with fp32 accumulation (torch's ``allow_bf16_reduced_precision_reduction`` applies as
+to any bf16 matmul); the workspace goes back to torch's caching allocator after the call, the
+checkpoint's bytes remain the only resident copy of the weight.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+import os
+
+import torch
+
+from mxfp8_convert.errors import LayoutError
+from mxfp8_convert.runtime.hopper import probe
+from mxfp8_convert.runtime.hopper.config import (
+    GEMV_MAX_M,
+    GemmConfig,
+    Kernel,
+    cdiv,
+    fit_block_k,
+    next_pow2,
+    no_empty_splits,
+)
+from mxfp8_convert.runtime.hopper.decode import _mxfp8_decode_kernel
+from mxfp8_convert.runtime.hopper.dequant import _dequantize_weight_kernel
+from mxfp8_convert.runtime.hopper.gemv import _mxfp8_gemv_kernel
+from mxfp8_convert.runtime.hopper.jit import LAYOUT_CODE
+from mxfp8_convert.runtime.hopper.quantize import _quantize_kernel
+from mxfp8_convert.runtime.hopper.reduce import _splitk_reduce_kernel
+from mxfp8_convert.runtime.hopper.rules import choose_config
+from mxfp8_convert.runtime.hopper.tile import _mxfp8_gemm_kernel
+from mxfp8_convert.runtime.weight import CANONICAL, MXFP8Weight
+
+
+@functools.lru_cache(maxsize=4096)
+def default_config(m: int, n: int, k: int, device: torch.device, pdl_env: str | None, *,
+                   gluon: bool = True) -> GemmConfig:
+    """:func:`rules.choose_config` on :func:`probe.device_facts`, memoized per shape, device and
+    ``MXFP8_PDL`` value (the other facts do not change within a process but for a refused
+    cluster launch, which clears the cache): the choice costs tens of microseconds of Python,
+    which an eager decode step would pay per linear layer. ``gluon=False``: as on a device
+    without the Gluon kernel (for a weight it cannot read)."""
+    facts = probe.device_facts(device)
+    if not gluon:
+        facts = dataclasses.replace(facts, gluon=False)
+    return choose_config(m, n, k, facts)
+
+
+def _check_device(t: torch.Tensor) -> None:
+    if t.device.type == "cuda":
+        return
+    if not probe.interpreting():
+        raise LayoutError(
+            f"the triton engine needs CUDA tensors (got {t.device}); "
+            "on CPU use engine='reference' or set TRITON_INTERPRET=1 before importing triton"
+        )
+
+
+
+def quantize_activations(
+    x: torch.Tensor, *, dequantized: bool = True, codes: bool = False, block_m: int = 32,
+    block_k: int = 128, permuted: bool = False,
+) -> dict[str, torch.Tensor]:
+    """Quantize ``x [M, K]`` to MXFP8 (FlashInfer's recipe) with one Triton kernel.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16/fp32 with unit stride along K, ``K % 32 == 0``.
+        dequantized: also return ``"deq"``: ``q * 2^(code-127)`` as bf16 ``[M, K]`` (exact);
+            float32 under the interpreter.
+        codes: also return ``"q"`` (float8_e4m3fn ``[M, K]``) and ``"code"`` (uint8 ``[M, K/32]``,
+            linear).
+        block_m, block_k: tile of one program.
+        permuted: ``"deq"`` as float32 ``[M, 4, K/4]`` holding element ``k`` at ``(k % 4, k // 4)``
+            (the order in which the GEMV kernel reads weight bytes from int32 words).
+
+    Returns:
+        dict with the requested tensors.
+    """
+    _check_device(x)
+    m, k = x.shape
+    if k % 32 or x.stride(1) != 1:
+        raise LayoutError(f"activations must be [M, K] with K % 32 == 0 and unit K stride, got {list(x.shape)}")
+    out: dict[str, torch.Tensor] = {}
+    deq_dtype = torch.float32 if x.device.type == "cpu" or permuted else torch.bfloat16
+    deq = torch.empty((m, k), dtype=deq_dtype, device=x.device) if dequantized else x
+    q = torch.empty((m, k), dtype=torch.uint8, device=x.device) if codes else x
+    code = torch.empty((m, k // 32), dtype=torch.uint8, device=x.device) if codes else x
+    block_k = min(block_k, next_pow2(k))
+    grid = (cdiv(m, block_m), cdiv(k, block_k))
+    _quantize_kernel[grid](x, deq, q, code, m, k, x.stride(0), WRITE_DEQ=dequantized,
+                           WRITE_Q=codes, BLOCK_M=block_m, BLOCK_K=block_k, PERM_DEQ=permuted, num_warps=4)
+    if dequantized:
+        out["deq"] = deq.view(m, 4, k // 4) if permuted else deq
+    if codes:
+        out["q"] = q.view(torch.float8_e4m3fn)
+        out["code"] = code
+    return out
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+
+_LOCKS: dict[torch.device, torch.Tensor] = {}
+
+
+def _tile_locks(device: torch.device, tiles: int) -> torch.Tensor:
+    """Per-device int32 arrival counters of the serial split-K reduction, zero between calls.
+
+    Each counter is reset by the CTA that finishes its tile, so the buffer is allocated (zeroed)
+    once and reused; grow it before capturing a CUDA graph. Calls that run concurrently on two
+    streams of one device must not share it: use ``serial_reduce=False`` there.
+    """
+    buf = _LOCKS.get(device)
+    if buf is None or buf.numel() < tiles:
+        buf = torch.zeros(max(tiles, 4096), dtype=torch.int32, device=device)
+        _LOCKS[device] = buf
+    return buf
+
+
+def _split_k_buffers(out: torch.Tensor, cfg: GemmConfig, tiles: int):
+    """``(partial, serial, ws, lock)`` of a launch over ``tiles`` output tiles into ``out`` [M, N]:
+    the fp32 split-K workspace (``out`` when unsplit) and the arrival counters (``ws`` when unused)."""
+    m, n = out.shape
+    partial = cfg.split_k > 1
+    serial = partial and cfg.serial_reduce
+    ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=out.device) if partial else out
+    lock = _tile_locks(out.device, tiles) if serial else ws
+    return partial, serial, ws, lock
+
+
+def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, has_bias: bool,
+                   pdl: bool = False, p32: bool = False, block: int = 1024) -> None:
+    """Sum the split-K partials ``ws`` (+ bias) into ``out`` with a second kernel (``pdl``: launched
+    as a programmatic dependent of the GEMM, which lets it launch early; ``p32``: the partials' rows
+    are in the trtllm weight's physical order)."""
+    total = out.shape[0] * out.shape[1]
+    _splitk_reduce_kernel[(cdiv(total, block),)](
+        ws, bias, out, out.shape[1], total, total, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, PDL=pdl,
+        CHUNK=cfg.red_chunk, RELEASE=cfg.red_release, P32=p32, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+    )
+
+
+def _scale_operand(weight: MXFP8Weight) -> torch.Tensor:
+    """The scale bytes as the kernel reads them: int32 words for 128x4 tiles, else uint8."""
+    s = weight.scale
+    if weight.layout == CANONICAL:
+        return s
+    if not s.is_contiguous() or s.data_ptr() % 4:
+        raise LayoutError(f"{weight.name or 'weight'}: 128x4 scale tiles must be contiguous and 4-byte aligned")
+    return s.view(torch.int32)
+
+
+def _scale_geometry(weight: MXFP8Weight) -> tuple[int, int]:
+    """(C, Cp/4) of the weight's scale buffer: linear columns and 128x4 column tiles."""
+    n, k = weight.shape
+    c = k // 32
+    return c, (c + 3) // 4
+
+
+def triton_linear(
+    x: torch.Tensor,
+    weight: MXFP8Weight,
+    bias: torch.Tensor | None = None,
+    *,
+    out: torch.Tensor | None = None,
+    config: GemmConfig | None = None,
+) -> torch.Tensor:
+    """``bf16(fq(x) @ dq(W).T + bias)`` on the laid-out bytes of ``weight``.
+
+    Args:
+        x: ``[M, K]`` bf16/fp16/fp32 activations (CUDA, or CPU under ``TRITON_INTERPRET=1``).
+        weight: trtllm, cutlass or canonical :class:`MXFP8Weight` on the same device.
+        bias: optional ``[N]``, added in fp32 before the rounding to bf16.
+        out: optional contiguous bf16 ``[M, N]`` to write into.
+        config: tile choice; :func:`choose_config` when omitted.
+
+    Returns:
+        bf16 ``[M, N]`` (``out`` when given).
+    """
+    _check_device(x)
+    m, k = x.shape
+    n, kw = weight.shape
+    if kw != k:
+        raise LayoutError(f"{weight.name or 'weight'}: input has K={k}, weight has K={kw}")
+    if out is None:
+        out = torch.empty((m, n), dtype=torch.bfloat16, device=x.device)
+    elif out.shape != (m, n) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise LayoutError(f"out must be a contiguous bf16 [{m}, {n}] tensor")
+    if m == 0:
+        return out
+    if x.device.type == "cpu":  # interpreter: its fp32->bf16 cast truncates; round on the host
+        out.copy_(_launch(x, weight, bias, torch.empty((m, n), device=x.device), config))
+        return out
+    return _launch(x, weight, bias, out, config)
+
+
+def _launch(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
+    config: GemmConfig | None,
+) -> torch.Tensor:
+    """Run the config's kernels (:data:`_LAUNCHERS`) into ``out`` [M, N]."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if config is None:
+        pdl_env = os.environ.get("MXFP8_PDL")
+        cfg = default_config(m, n, k, x.device, pdl_env)
+        if cfg.kind is Kernel.WGMMA and not probe.gluon().supported(weight, k):
+            # e.g. canonical or unaligned weight bytes: the rule without the Gluon kernel
+            cfg = default_config(m, n, k, x.device, pdl_env, gluon=False)
+    else:
+        cfg = config
+    if k % cfg.block_k:
+        raise LayoutError(f"block_k={cfg.block_k} does not divide K={k}")
+    if x.stride(1) != 1:
+        x = x.contiguous()
+    return _LAUNCHERS[cfg.kind](x, weight, bias, out, cfg)
+
+
+def _launch_tile(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
+    cfg: GemmConfig,
+) -> torch.Tensor:
+    """The tile kernel (+ activation quantization unless fused, + reduce unless serial)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    a = x if cfg.fuse_quant else quantize_activations(x)["deq"]
+    c, cp4 = _scale_geometry(weight)
+    has_bias = bias is not None
+    bias_t = bias if has_bias else out
+    tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
+    partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
+    _mxfp8_gemm_kernel[(tiles, cfg.split_k)](
+        a, weight.data, _scale_operand(weight), bias_t, out, ws, lock,
+        m, n, k, a.stride(0), weight.data.stride(0), n, m * n, c, cp4, cfg.split_k,
+        LAYOUT=LAYOUT_CODE[weight.layout], QUANT_X=cfg.fuse_quant,
+        DOT_BF16=x.device.type == "cuda", HAS_BIAS=has_bias,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        PARTIAL=partial, SERIAL=serial, GROUP_N=cfg.group_n,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial and not serial:
+        _reduce_splits(ws, bias_t, out, cfg, has_bias)
+    return out
+
+
+def _scale_tile(weight: MXFP8Weight, block_k: int) -> int:
+    """How the decode kernel reads scales: 2 = one [BN, 2]-word load per 256-wide K-tile (split
+    into columns), 1 = [BN, BK/128] words per K-tile, 0 = one load per 32-block (canonical)."""
+    if weight.layout == CANONICAL or block_k % 128:
+        return 0
+    return 2 if block_k == 256 else 1
+
+
+def _quantize_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """e4m3 bytes ``[M, K]`` and int32 codes ``[M, K/32]`` of ``x`` (32-bit code loads pipeline)."""
+    m, k = x.shape
+    xq = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    xc = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
+    bk = min(128, next_pow2(k))
+    _quantize_kernel[(cdiv(m, 16), cdiv(k, bk))](
+        x, x, xq, xc, m, k, x.stride(0), WRITE_DEQ=False, WRITE_Q=True, BLOCK_M=16, BLOCK_K=bk, num_warps=4)
+    return xq.view(torch.float8_e4m3fn), xc
+
+
+def _launch_wgmma(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+) -> torch.Tensor:
+    """Activation quantization (unless the kernel does it: bf16, fp16 or fp32 activations, the
+    same bits as the quantization kernel's), the Gluon wgmma decode kernel, and the split-K
+    reduction (unless serial or through a cluster's shared memory). Where the GPU refuses a
+    clustered launch (its error names the cluster), the call runs with the partials summed by the
+    last program instead, and so does every later call on that device
+    (:data:`probe.CLUSTERS_REFUSED`)."""
+    gluon = probe.gluon()
+    if gluon is None:
+        raise LayoutError("the wgmma decode kernel needs Triton's Gluon (triton >= 3.6)")
+    xq, xc = (x, None) if cfg.fuse_quant else _quantize_codes(x)
+    has_bias = bias is not None
+    partial, serial, ws, lock = (False, False, None, None) if cfg.cluster else _split_k_buffers(
+        out, cfg, cdiv(weight.shape[0], cfg.block_n))
+    try:
+        gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
+                           split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
+                           red_chunk=cfg.red_chunk, x_words=cfg.x_words, cluster=cfg.cluster, block_n=cfg.block_n,
+                           prefetch=cfg.prefetch, phys_partials=cfg.phys_partials, x_prefetch=cfg.x_prefetch)
+    except RuntimeError as err:
+        if not cfg.cluster or "cluster" not in str(err).lower():
+            raise
+        probe.CLUSTERS_REFUSED.add(probe.device_index(x.device))
+        default_config.cache_clear()  # the memoized rule chose clusters
+        split = no_empty_splits(x.shape[1] // 128, cfg.split_k)  # the global-memory kernel's splits
+        return _launch_wgmma(x, weight, bias, out, dataclasses.replace(cfg, cluster=False, split_k=split,
+                                                                       serial_reduce=True))
+    if partial and not serial:
+        _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl,
+                       p32=weight.layout == "trtllm" and cfg.phys_partials)
+    return out
+
+
+def _launch_decode(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+) -> torch.Tensor:
+    """The decode kernel (+ activation quantization unless fused, + reduce unless serial)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > cfg.block_m:
+        raise LayoutError(f"the decode kernel serves M <= block_m={cfg.block_m}, got M={m}")
+    if cfg.block_k % 32 or k % cfg.block_k:
+        raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
+    xq, xc = (x, x) if cfg.fuse_quant else _quantize_codes(x)
+    c, cp4 = _scale_geometry(weight)
+    has_bias = bias is not None
+    bias_t = bias if has_bias else out
+    tiles = cdiv(n, cfg.block_n)
+    partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
+    _mxfp8_decode_kernel[(tiles, cfg.split_k)](
+        x, xq, xc, weight.data, _scale_operand(weight), bias_t, out, ws, lock,
+        m, n, k, x.stride(0), weight.data.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
+        LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant, FP8_DOT=x.device.type == "cuda",
+        HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
+        PARTIAL=partial, SERIAL=serial, SCALE_TILE=_scale_tile(weight, cfg.block_k),
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial and not serial:
+        _reduce_splits(ws, bias_t, out, cfg, has_bias)
+    return out
+
+
+def _launch_gemv(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+) -> torch.Tensor:
+    """The GEMV kernel (+ activation quantization unless fused, + reduce unless serial)."""
+    m, k = x.shape
+    n = weight.shape[0]
+    if m > cfg.block_m or cfg.block_m > GEMV_MAX_M:
+        raise LayoutError(f"the GEMV kernel serves M <= block_m <= {GEMV_MAX_M}, got M={m}, block_m={cfg.block_m}")
+    if cfg.block_k % 32 or k % cfg.block_k:
+        raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
+    wdata = weight.data
+    # int32 words need a contiguous, 4-byte aligned weight; any other view takes the generic cast
+    words = cfg.words and wdata.is_contiguous() and wdata.data_ptr() % 4 == 0
+    if words:
+        wdata = wdata.view(torch.int32)
+    x_perm = words and not cfg.fuse_quant
+    a = x if cfg.fuse_quant else quantize_activations(x, permuted=x_perm)["deq"].view(m, k)
+    c, cp4 = _scale_geometry(weight)
+    has_bias = bias is not None
+    bias_t = bias if has_bias else out
+    tiles = cdiv(n, cfg.block_n)
+    partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
+    _mxfp8_gemv_kernel[(tiles, cfg.split_k)](
+        a, wdata, _scale_operand(weight), bias_t, out, ws, lock,
+        m, n, k, a.stride(0), wdata.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
+        LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant, HAS_BIAS=has_bias,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PARTIAL=partial, SERIAL=serial,
+        WORDS=words, X_PERM=x_perm,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
+    )
+    if partial and not serial:
+        _reduce_splits(ws, bias_t, out, cfg, has_bias)
+    return out
+
+
+def dequantize_weight(
+    weight: MXFP8Weight, start: int = 0, stop: int | None = None, *, out: torch.Tensor | None = None,
+    block_n: int = 64, block_k: int = 256,
+) -> torch.Tensor:
+    """Logical rows ``[start, stop)`` of ``weight`` as exact ``q * 2^(code-127)``, read from the
+    laid-out bytes by one Triton kernel (bf16 on CUDA, float32 under the interpreter).
+
+    Args:
+        weight: trtllm, cutlass or canonical :class:`MXFP8Weight`.
+        start, stop: logical row range (default: every row).
+        out: optional ``[stop - start, K]`` tensor with unit K stride to write into.
+        block_n, block_k: tile of one program (``block_k`` is fitted to K).
+
+    Returns:
+        ``[stop - start, K]`` (``out`` when given).
+    """
+    _check_device(weight.data)
+    n, k = weight.shape
+    stop = n if stop is None else stop
+    if not 0 <= start <= stop <= n:
+        raise LayoutError(f"{weight.name or 'weight'}: row range [{start}, {stop}) outside [0, {n})")
+    dtype = torch.bfloat16 if weight.data.device.type == "cuda" else torch.float32
+    if out is None:
+        out = torch.empty((stop - start, k), dtype=dtype, device=weight.data.device)
+    elif out.shape != (stop - start, k) or out.stride(1) != 1:
+        raise LayoutError(f"out must be [{stop - start}, {k}] with unit K stride, got {list(out.shape)}")
+    if stop == start:
+        return out
+    bk = fit_block_k(k, block_k)
+    c, cp4 = _scale_geometry(weight)
+    grid = (cdiv(stop - start, block_n), k // bk)
+    _dequantize_weight_kernel[grid](
+        weight.data, _scale_operand(weight), out, stop, start, weight.data.stride(0), out.stride(0), c, cp4,
+        LAYOUT=LAYOUT_CODE[weight.layout], DOT_BF16=out.dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_K=bk,
+        num_warps=4,
+    )
+    return out
+
+
+def _launch_cublas(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+) -> torch.Tensor:
+    """Activations quantized once; per chunk of ``cfg.chunk_n`` weight rows, the rows dequantized
+    into one reused workspace and ``out[:, chunk] = A @ Wd.T (+ bias)`` by cuBLAS (fp32
+    accumulation; strided ``out`` column slices are written in place)."""
+    n, k = weight.shape
+    a = quantize_activations(x)["deq"]
+    chunk = min(cfg.chunk_n or n, n)
+    ws = torch.empty((chunk, k), dtype=a.dtype, device=x.device)
+    if bias is not None:
+        bias = bias.to(out.dtype)  # added in fp32 by cuBLAS; a non-bf16 bias is rounded to bf16 first
+    for n0 in range(0, n, chunk):
+        n1 = min(n0 + chunk, n)
+        wd = dequantize_weight(weight, n0, n1, out=ws[: n1 - n0], block_n=cfg.block_n, block_k=cfg.block_k)
+        if bias is None:
+            torch.mm(a, wd.t(), out=out[:, n0:n1])
+        else:
+            torch.addmm(bias[n0:n1], a, wd.t(), out=out[:, n0:n1])
+    return out
+
+
+#: The launcher of each kernel family.
+_LAUNCHERS = {
+    Kernel.TILE: _launch_tile,
+    Kernel.DECODE: _launch_decode,
+    Kernel.GEMV: _launch_gemv,
+    Kernel.CUBLAS: _launch_cublas,
+    Kernel.WGMMA: _launch_wgmma,
+}

@@ -1,0 +1,399 @@
+"""Which kernel and launch parameters serve a GEMM of shape (M, N, K): pure functions from the
+shape and :class:`DeviceFacts` to a :class:`GemmConfig`.
+
+Every tuned number is a field of :data:`TUNED` (one table, each with the measurement that set
+it; BENCHMARKS.md, "Design decisions", has the figures). :func:`choose_config` asks the rules
+in order (:data:`RULES`) and falls back to the tile kernel:
+
+1. M >= ``cublas_min_m``: :func:`cublas_config`.
+2. :func:`wgmma_rule`: Hopper with Gluon, M <= 16, K % 128 == 0.
+3. :func:`gemv_rule`: M <= ``gemv_max_m``.
+4. :func:`decode_rule`: M <= ``decode_max_m`` on large-N weights, FP8 tensor cores.
+5. :func:`tile_config`.
+
+No torch, no Triton: the facts come from ``probe.device_facts`` on a real device, and tests pass
+them in for any device.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+
+from mxfp8_convert.errors import LayoutError
+from mxfp8_convert.runtime.hopper.config import (
+    CLUSTER_SIZES,
+    DECODE_BLOCK_M,
+    GEMV_MAX_M,
+    WGMMA_BLOCK_K,
+    WGMMA_MAX_M,
+    GemmConfig,
+    Kernel,
+    cdiv,
+    fit_block_k,
+    next_pow2,
+    no_empty_splits,
+)
+
+
+@dataclass(frozen=True, slots=True)
+class DeviceFacts:
+    """What the rules read of the device (``probe.device_facts`` reads them off a real one)."""
+
+    sms: int  # streaming multiprocessors (the interpreter: 4)
+    capability: tuple[int, int] | None  # CUDA compute capability; None: the CPU interpreter
+    gluon: bool = False  # Triton's Gluon (>= 3.6) is importable
+    pdl: bool = False  # kernels may launch as programmatic dependents (``probe.pdl_enabled``)
+    weight_prefetch: bool = True  # under PDL, the weight's first tiles before the wait
+    clusters: bool = True  # thread-block clusters launch (none refused on this device)
+
+    @property
+    def hopper(self) -> bool:
+        return self.capability is not None and self.capability[0] == 9
+
+    @property
+    def fp8_mma(self) -> bool:
+        """FP8 tensor-core dots (SM89+), or the interpreter (which runs them in float32)."""
+        return self.capability is None or self.capability >= (8, 9)
+
+
+@dataclass(frozen=True, slots=True)
+class Tuning:
+    """The tuned thresholds of the rules, each fitted to sweeps on one H200 (132 SMs) over the
+    model shapes of ``shapes.py`` (BENCHMARKS.md, "Design decisions")."""
+
+    # cuBLAS path: from this M, one dequantization of the weight + cuBLAS beat the tile kernel
+    # (which dequantizes each weight tile once per M-tile): M = 256 on 15 of 19 shapes, M >= 512
+    # on all; at M = 128 the tile kernel won.
+    cublas_min_m: int = 256
+    # its bf16 weight workspace, elements (128 MiB); 8-32 M elements (kept in L2) were no faster
+    dequant_workspace: int = 64 * 1024 * 1024
+    # wgmma kernel (M <= 16, Hopper). Below this many weight elements: fewer programs (~2 per SM
+    # at M <= 8, ~1 at M = 9..16) and the last program sums the partials; at M = 1 without PDL
+    # the GEMV kernel is faster there.
+    wgmma_small_weight: int = 8_000_000
+    wgmma_mid_weight: int = 20_000_000  # from here ~3 programs per SM at M = 9..16 (below ~2)
+    wgmma_huge_weight: int = 64_000_000  # M = 5..8: a second reduction kernel only below this
+    wgmma_unsplit_tiles_per_sm: float = 2.5  # row tiles filling 2.5 waves: K unsplit (q_b, kv_b)
+    wgmma_max_split: int = 16  # from M = 4: K split at most 16 ways (one round trip to sum)
+    wgmma_two_kernel_split: int = 8  # a second kernel sums 2..8 partials (M = 5..8; see rule)
+    wgmma_cluster_max_tiles: int = 32  # M = 9..16: clusters only on weights of <= 32 row tiles
+    wgmma_cluster_idle_share: float = 0.75  # M <= 8: 16 splits where 8 leave 1/4 of SMs idle
+    wgmma_wide_cluster: int = 4  # M = 9..16: 128-row programs in clusters of 4 ...
+    wgmma_wide_per_sm: tuple[float, float] = (1.5, 2.0)  # ... where that makes 1.5-2 per SM
+    wgmma_wide_min_k: int = 1024  # ... and K has at least 8 K-tiles
+    wgmma_split_tiles: int = 4  # M = 9..16, second kernel: splits of 4 K-tiles ...
+    wgmma_even_per_sm: int = 4  # ... where that is 2-8 splits of at most 4 programs per SM
+    red_chunk: tuple[int, int] = (4, 16)  # partials per round trip: all, clamped to this range
+    # GEMV kernel (M <= 2): fastest there on every shape measured
+    gemv_max_m: int = 2
+    gemv_small_weight: int = 5_000_000  # below: 512-wide K-tiles, fused quantization
+    gemv_large_weight: int = 64_000_000  # from here: pre-permuted activations, ~8 programs/SM
+    gemv_waves: float = 4.0  # M = 1 between the two: fused quantization, ~4 programs per SM
+    gemv_pair_waves: float = 2.0  # M = 2 between the two: pre-permuted activations, ~2 per SM
+    gemv_short_rows: tuple[int, int] = (4096, 2048)  # M = 1, N and K from these: 16-row programs
+    # decode kernel (no wgmma): M <= 4 on weights with >= 2 waves of 64-row tiles, K >= 1024
+    decode_max_m: int = 4
+    decode_min_k: int = 1024
+    decode_min_tile_waves: int = 2
+    decode_waves: float = 2.0
+    # tile kernel, M <= 64: one kernel (fused quantization, last-CTA reduction) below this
+    # weight size, three kernels (quantize, GEMM, reduce) above
+    tile_one_kernel_weight: int = 40_000_000
+    tile_small_waves: float = 1.9  # split-K target, programs per SM, one-kernel weights
+    tile_large_waves: int = 4  # ... three-kernel weights
+    tile_stream_max_m: int = 64  # up to here 64-row weight tiles streamed with split-K
+    tile_mid_max_m: int = 1024  # up to here 128x128 tiles (64x64 for N <= 2048)
+    tile_narrow_n: int = 2048
+
+
+#: The one table of tuned thresholds (the rules read nothing else).
+TUNED = Tuning()
+
+
+def _pow2_split(tiles: int, k_tiles: int, target: int, min_k_tiles: int) -> int:
+    """Smallest power-of-two split-K with ``tiles * split >= target`` (each split >= min_k_tiles)."""
+    split = 1
+    while tiles * split < target and k_tiles // (split * 2) >= min_k_tiles:
+        split *= 2
+    return split
+
+
+def _wave_eff(ctas: int, sms: int) -> float:
+    return ctas / (cdiv(ctas, sms) * sms)
+
+
+def _waves_split(n: int, k: int, block_n: int, block_k: int, sms: int, waves: float) -> int:
+    """Split-K up to ~``waves`` x SMs programs, each split >= 1 K-tile, none empty."""
+    tiles, k_tiles = cdiv(n, block_n), k // block_k
+    return no_empty_splits(k_tiles, max(1, min(cdiv(int(waves * sms), tiles), k_tiles)))
+
+
+def decode_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 64,
+                  block_k: int = 256, num_warps: int = 4, num_stages: int = 5,
+                  fuse_quant: bool = False, waves: float = TUNED.decode_waves,
+                  serial_reduce: bool = True) -> GemmConfig:
+    """Decode kernel: ``block_n`` weight rows per program, split-K up to ~``waves`` x SMs
+    programs (each split keeps >= 1 K-tile; no empty splits)."""
+    bk = fit_block_k(k, block_k)
+    return GemmConfig(block_n, DECODE_BLOCK_M, bk, Kernel.DECODE,
+                      split_k=_waves_split(n, k, block_n, bk, facts.sms, waves),
+                      fuse_quant=fuse_quant, num_warps=num_warps, num_stages=num_stages,
+                      serial_reduce=serial_reduce)
+
+
+def decode_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
+    """The decode kernel where FP8 tensor-core dots exist, M <= ``decode_max_m``, K >=
+    ``decode_min_k`` (a multiple of 256) and the 64-row tiles fill ``decode_min_tile_waves``
+    waves without split-K (:data:`TUNED`); else None."""
+    t = TUNED
+    if (m <= t.decode_max_m and k >= t.decode_min_k and k % 256 == 0
+            and cdiv(n, 64) >= t.decode_min_tile_waves * facts.sms and facts.fp8_mma):
+        return decode_config(m, n, k, facts)
+    return None
+
+
+def gemv_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 32,
+                block_k: int = 256, num_warps: int = 4, fuse_quant: bool = True,
+                waves: float = TUNED.gemv_waves, serial_reduce: bool = True,
+                words: bool = True) -> GemmConfig:
+    """GEMV kernel: ``block_n`` weight rows per program, split-K up to ~``waves`` x SMs programs
+    (each split keeps >= 1 K-tile; no empty splits)."""
+    if m > GEMV_MAX_M:
+        raise LayoutError(f"the GEMV kernel serves M <= {GEMV_MAX_M}, got M={m}")
+    bk = fit_block_k(k, block_k)
+    return GemmConfig(block_n, next_pow2(max(m, 1)), bk, Kernel.GEMV,
+                      split_k=_waves_split(n, k, block_n, bk, facts.sms, waves),
+                      fuse_quant=fuse_quant, num_warps=num_warps, num_stages=1,
+                      serial_reduce=serial_reduce, words=words)
+
+
+def gemv_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
+    """The GEMV kernel at M <= ``gemv_max_m``, K % 128 == 0 (else None), by weight size
+    (:data:`TUNED`): under ``gemv_small_weight`` 512-wide K-tiles (K % 512 == 0); from
+    ``gemv_large_weight`` pre-permuted activations, ~8 programs per SM; between, M = 1 fused
+    quantization, ~``gemv_waves`` programs per SM (16-row programs from ``gemv_short_rows``),
+    M = 2 pre-permuted activations, ~``gemv_pair_waves`` per SM."""
+    t = TUNED
+    if m > t.gemv_max_m or k % 128:
+        return None
+    if n * k < t.gemv_small_weight and k % 512 == 0:
+        return gemv_config(m, n, k, facts, block_k=512)
+    if n * k >= t.gemv_large_weight:
+        return gemv_config(m, n, k, facts, fuse_quant=False, waves=8)
+    if m == 1:
+        short_n, short_k = t.gemv_short_rows
+        return gemv_config(m, n, k, facts, block_n=16 if n >= short_n and k >= short_k else 32)
+    return gemv_config(m, n, k, facts, fuse_quant=False, waves=t.gemv_pair_waves)
+
+
+def _red_chunk(split: int) -> int:
+    """Split-K partials loaded per round trip when the last program of a row tile sums them: all
+    of them, within :data:`TUNED` ``red_chunk``."""
+    lo, hi = TUNED.red_chunk
+    return min(hi, max(lo, next_pow2(split)))
+
+
+def wgmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, stages: int = 2,
+                 waves: float = 3.0, serial_reduce: bool = True, fuse_quant: bool = False,
+                 sw_ahead: int = 1, pdl: bool = False, red_chunk: int = 0, max_split: int = 0,
+                 cluster: bool = False, block_n: int = 64) -> GemmConfig:
+    """Gluon wgmma kernel: ``block_n`` physical weight rows per program (64: one warpgroup; 128:
+    two, sharing each quantized activation tile), 128-wide K-tiles in a ring of ``stages`` TMA
+    buffers, scale words ``sw_ahead`` K-tiles ahead, split-K up to ~``waves`` x SMs programs (none
+    where the row tiles fill ``wgmma_unsplit_tiles_per_sm`` waves, :data:`TUNED`), at most
+    ``max_split`` when given; partials summed by the last program of a row tile
+    (``serial_reduce``) or by a second kernel; activations quantized inside (``fuse_quant``) or by
+    a kernel before. ``cluster``: a row tile's splits are one thread-block cluster, summed through
+    distributed shared memory; the split is then the largest of :data:`CLUSTER_SIZES` up to the
+    one above (no cluster where that is 1)."""
+    tiles = cdiv(n, block_n)
+    k_tiles = k // WGMMA_BLOCK_K
+    if tiles >= TUNED.wgmma_unsplit_tiles_per_sm * facts.sms:
+        split = 1
+    else:
+        split = max(1, min(cdiv(int(waves * facts.sms), tiles), k_tiles))
+    split = min(split, max_split or split)
+    if cluster:  # the K-tiles spread evenly over the cluster (none empty)
+        split = max(s for s in (1, *CLUSTER_SIZES) if s <= split)
+        cluster = split > 1
+    else:
+        split = no_empty_splits(k_tiles, split)
+    return GemmConfig(block_n, WGMMA_MAX_M, WGMMA_BLOCK_K, Kernel.WGMMA, split_k=split,
+                      fuse_quant=fuse_quant, num_warps=block_n // 16, num_stages=stages,
+                      serial_reduce=serial_reduce, sw_ahead=sw_ahead, pdl=pdl,
+                      red_chunk=red_chunk or _red_chunk(split), cluster=cluster)
+
+
+def wgmma_pdl(m: int, split_k: int, facts: DeviceFacts) -> bool:
+    """Programmatic dependent launch where the device allows it, except for an unsplit K at
+    M > 8 (the next call's programs, launched early into free slots, end up unevenly spread)."""
+    return facts.pdl and not (m > 8 and split_k == 1)
+
+
+def launch_options(cfg: GemmConfig, m: int, facts: DeviceFacts) -> GemmConfig:
+    """The wgmma rule's launch options: PDL where :func:`wgmma_pdl`, with the weight's first tile
+    and scale words loaded and the activations' lines asked of L2 before the wait
+    (``prefetch``, ``x_prefetch``; unless ``weight_prefetch`` is off); partials summed by a second
+    kernel are stored in the weight's physical row order (``phys_partials``), loaded after the
+    first in one chunk, and under PDL that kernel lets the next launch at once
+    (``red_release``)."""
+    pdl = wgmma_pdl(m, cfg.split_k, facts)
+    two_kernel = cfg.split_k > 1 and not cfg.cluster and not cfg.serial_reduce
+    chunk = min(TUNED.red_chunk[1], next_pow2(cfg.split_k - 1)) if two_kernel else cfg.red_chunk
+    early = pdl and facts.weight_prefetch
+    return dataclasses.replace(cfg, pdl=pdl, prefetch=early, x_prefetch=early,
+                               red_release=pdl and two_kernel, phys_partials=two_kernel,
+                               red_chunk=chunk)
+
+
+def _wide_split(n: int, k: int, facts: DeviceFacts) -> int:
+    """At M = 9..16, where a second kernel sums the partials: the split of K (2..16, none empty,
+    at least ``wgmma_split_tiles`` K-tiles each) that gives 128-row programs
+    ``wgmma_wide_per_sm`` programs per SM (:data:`TUNED`), the most even (a row tile lasts as long
+    as its longest split), then the most programs; 0 where none does."""
+    t = TUNED
+    k_tiles, pairs = k // WGMMA_BLOCK_K, cdiv(n, 128)
+    lo, hi = t.wgmma_wide_per_sm
+    fits = [s for s in {no_empty_splits(k_tiles, s) for s in range(2, 17)}
+            if s >= 2 and cdiv(k_tiles, s) >= t.wgmma_split_tiles
+            and lo <= pairs * s / facts.sms <= hi]
+    return max(fits, key=lambda s: (k_tiles / (s * cdiv(k_tiles, s)), s), default=0)
+
+
+def _wgmma_clustered(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
+    """The wgmma rule's cluster configs (the splits of a row tile summed through distributed
+    shared memory), or None: at M = 9..16, 128-row programs in clusters of
+    ``wgmma_wide_cluster`` where that makes ``wgmma_wide_per_sm`` programs per SM; else at M <= 8
+    wherever K is split (~3 programs per SM, at most 8 splits, 16 where 8 leave
+    ``wgmma_cluster_idle_share`` of the SMs idle) and at M = 9..16 on weights of at most
+    ``wgmma_cluster_max_tiles`` row tiles (~2 per SM, up to 16 splits); at least two K-tiles a
+    split (:data:`TUNED`)."""
+    t = TUNED
+    if not facts.clusters:
+        return None
+    lo, hi = t.wgmma_wide_per_sm
+    if m > 8 and k >= t.wgmma_wide_min_k and lo <= t.wgmma_wide_cluster * cdiv(n, 128) / facts.sms <= hi:
+        return wgmma_config(m, n, k, facts, waves=16, fuse_quant=True, sw_ahead=2,
+                            max_split=t.wgmma_wide_cluster, cluster=True, block_n=128)
+    tiles = cdiv(n, 64)
+    if m <= 8 or tiles <= t.wgmma_cluster_max_tiles:
+        idle = tiles * 8 < t.wgmma_cluster_idle_share * facts.sms
+        cap = min(16 if m > 8 or idle else 8, k // 256)
+        cfg = wgmma_config(m, n, k, facts, waves=3 if m <= 8 else 2, fuse_quant=True, sw_ahead=2,
+                           max_split=cap, cluster=True)
+        return cfg if cfg.cluster else None
+    return None
+
+
+def wgmma_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
+    """The Gluon wgmma kernel's config, or None off Hopper, without Gluon, at M > 16, K % 128 != 0,
+    and at M = 1 on weights under ``wgmma_small_weight`` without PDL (:data:`TUNED`). Activations
+    quantized inside the kernel, scale words two K-tiles ahead, :func:`launch_options`.
+
+    Clusters first (:func:`_wgmma_clustered`); elsewhere the partials go through global memory,
+    split-K up to this many programs per SM ("waves"; from M = 4 at most ``wgmma_max_split``
+    splits), by weight size:
+
+    ========  ======================  =====================  ================
+    M         < wgmma_small_weight    .. wgmma_mid_weight    larger
+    ========  ======================  =====================  ================
+    1..8      2                       3                      3
+    9..16     1                       2                      3
+    ========  ======================  =====================  ================
+
+    The last program of a row tile sums them, or a second kernel: at M = 5..8 where K is split
+    2..``wgmma_two_kernel_split`` ways on weights from ``wgmma_small_weight`` to under
+    ``wgmma_huge_weight``; at M = 9..16 wherever K is split, except more than
+    ``wgmma_two_kernel_split`` splits of a weight under ``wgmma_small_weight``. There, 128-row
+    programs with :func:`_wide_split` where it finds a split; else splits of
+    ``wgmma_split_tiles`` K-tiles where that is 2..``wgmma_two_kernel_split`` splits of at most
+    ``wgmma_even_per_sm`` programs per SM.
+    """
+    t = TUNED
+    if m > WGMMA_MAX_M or k % WGMMA_BLOCK_K or not facts.hopper:
+        return None
+    size = n * k
+    if (size < t.wgmma_small_weight and m == 1 and not facts.pdl) or not facts.gluon:
+        return None
+    if (cfg := _wgmma_clustered(m, n, k, facts)) is not None:
+        return launch_options(cfg, m, facts)
+    if m <= 8:
+        waves = 2 if size < t.wgmma_small_weight else 3
+    else:
+        waves = 1 if size < t.wgmma_small_weight else 2 if size < t.wgmma_mid_weight else 3
+    cfg = wgmma_config(m, n, k, facts, waves=waves, fuse_quant=True, sw_ahead=2,
+                       max_split=t.wgmma_max_split if m >= 4 else 0)
+    split = cfg.split_k
+    if m <= 8:
+        two_kernel = (m >= 5 and 1 < split <= t.wgmma_two_kernel_split
+                      and t.wgmma_small_weight <= size < t.wgmma_huge_weight)
+    else:
+        two_kernel = split > 1 and (size >= t.wgmma_small_weight
+                                    or split <= t.wgmma_two_kernel_split)
+        even = k // WGMMA_BLOCK_K // t.wgmma_split_tiles
+        if two_kernel and (wide := _wide_split(n, k, facts)):
+            cfg = dataclasses.replace(cfg, block_n=128, num_warps=8, split_k=wide)
+        elif (two_kernel and even * t.wgmma_split_tiles * WGMMA_BLOCK_K == k
+              and 2 <= even <= t.wgmma_two_kernel_split
+              and cdiv(n, 64) * even <= t.wgmma_even_per_sm * facts.sms):
+            cfg = dataclasses.replace(cfg, split_k=even)
+    return launch_options(dataclasses.replace(cfg, serial_reduce=not two_kernel), m, facts)
+
+
+def cublas_config(m: int, n: int, k: int, *, chunk_n: int = 0) -> GemmConfig:
+    """The cuBLAS path: 64 x 256 dequantization tiles, ``chunk_n`` rows per chunk (default: the
+    most multiple-of-128 rows whose bf16 copy fits ``dequant_workspace``, :data:`TUNED`)."""
+    if not chunk_n:
+        chunk_n = min(n, max(128, TUNED.dequant_workspace // k // 128 * 128))
+    return GemmConfig(64, 0, fit_block_k(k, 256), Kernel.CUBLAS, fuse_quant=False,
+                      chunk_n=chunk_n)
+
+
+def tile_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
+    """The tile kernel, by M (:data:`TUNED`): up to ``tile_stream_max_m`` 64-row weight tiles,
+    split-K up to ~``tile_small_waves`` programs per SM on weights under
+    ``tile_one_kernel_weight`` (one kernel: activations quantized inside at M <= 16, the last
+    program of a tile sums the splits) and ~``tile_large_waves`` on larger ones (quantize, GEMM
+    and reduce kernels); up to ``tile_mid_max_m`` 128x128 tiles (64x64 where N <=
+    ``tile_narrow_n``), split-K while fewer than half the SMs are busy; above, 128x256x64 tiles,
+    8 warps, split-K = 2 where it fixes a poor last wave."""
+    t, sms = TUNED, facts.sms
+    small = n * k < t.tile_one_kernel_weight
+    if m <= t.tile_stream_max_m:
+        bm = 16 if m <= 16 else (32 if m <= 32 else 64)
+        cfg = GemmConfig(64, bm, fit_block_k(k, 128), fuse_quant=small and m <= 16,
+                         num_warps=4, num_stages=4, serial_reduce=small)
+        tiles = cdiv(n, 64) * cdiv(m, bm)
+        target = int(t.tile_small_waves * sms) if small else t.tile_large_waves * sms
+        return dataclasses.replace(cfg, split_k=_pow2_split(tiles, k // cfg.block_k, target, 2))
+    if m <= t.tile_mid_max_m:
+        if n <= t.tile_narrow_n:
+            cfg = GemmConfig(64, 64, fit_block_k(k, 128), fuse_quant=False, num_warps=4,
+                             num_stages=4)
+        else:
+            cfg = GemmConfig(128, 128, fit_block_k(k, 64), fuse_quant=False, num_warps=8,
+                             num_stages=4)
+        tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
+        split = _pow2_split(tiles, k // cfg.block_k, sms // 2, 4)
+        return dataclasses.replace(cfg, split_k=split, serial_reduce=False)
+    cfg = GemmConfig(128, 256, fit_block_k(k, 64), fuse_quant=False, num_warps=8,
+                     num_stages=4 if m <= 4096 else 3, serial_reduce=False)
+    tiles = cdiv(n, 128) * cdiv(m, 256)
+    if _wave_eff(2 * tiles, sms) > _wave_eff(tiles, sms) + 0.1 and k // 2 >= 2048:
+        cfg = dataclasses.replace(cfg, split_k=2)
+    return cfg
+
+
+#: The rules :func:`choose_config` asks, in order, below ``cublas_min_m``.
+RULES = (wgmma_rule, gemv_rule, decode_rule)
+
+
+def choose_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
+    """The config of a GEMM ``[M, K] x [N, K]^T`` on a device with ``facts`` (module docstring)."""
+    if m >= TUNED.cublas_min_m:
+        return cublas_config(m, n, k)
+    for rule in RULES:
+        if (cfg := rule(m, n, k, facts)) is not None:
+            return cfg
+    return tile_config(m, n, k, facts)
