@@ -8,8 +8,8 @@ Every kernel launch (``kernel[grid](...)``) is replaced by a no-op, so what is t
 Python between the call and the launches: argument checks, buffers, layouts, grid arithmetic.
 Triton's own launcher (argument binding, the driver call) is not in it; on a GPU,
 ``bench_gemm.py host`` times whole eager calls. With ``--baseline REV`` the same measurement
-runs on a git worktree of ``REV`` in alternating rounds (one process per round and tree), and
-the table gives both medians and their ratio.
+runs on a git worktree of ``REV`` (one with the ``runtime/hopper/`` package) in alternating
+rounds (one process per round and tree), and the table gives both medians and their ratio.
 """
 
 from __future__ import annotations
@@ -27,7 +27,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 #: (name, M, N, K, GemmConfig fields): the wgmma decode kernel with the last-program and with
 #: the second-kernel reduction, as the rule picks them at M = 16 (Llama q_proj / k_proj shapes),
-#: and with the splits as one cluster, as it picks them at M <= 8 (a tree without clusters skips it).
+#: and with the splits as one cluster, as it picks them at M <= 8.
 CASES = (
     ("wgmma M=16 s5 serial", 16, 4096, 4096, dict(split_k=5, serial_reduce=True)),
     ("wgmma M=16 s8 2-kernel", 16, 1024, 4096, dict(split_k=8, serial_reduce=False)),
@@ -42,26 +42,25 @@ def worker(calls: int) -> dict:
 
     import torch
 
-    import mxfp8_convert.runtime.gluon_mxfp8 as gluon_mxfp8
-    import mxfp8_convert.runtime.triton_mxfp8 as tri
+    import mxfp8_convert.runtime.hopper.launch as tri
+    import mxfp8_convert.runtime.hopper.wgmma as wgmma
     from mxfp8_convert.runtime import MXFP8Weight, quantize_mxfp8
+    from mxfp8_convert.runtime.hopper.config import GemmConfig, Kernel
 
     class NoLaunch:  # returns what a launch returns: the compiled kernel, here its launch metadata only
         def __getitem__(self, grid):
             return lambda *args, **kwargs: SimpleNamespace(packed_metadata=(4, kwargs.get("CLUSTER") or 1, 0))
 
-    gluon_mxfp8._wgmma_decode_kernel = NoLaunch()
+    wgmma._wgmma_decode_kernel = NoLaunch()
     tri._splitk_reduce_kernel = NoLaunch()
     out = {}
     for name, m, n, k, fields in CASES:
-        if not set(fields) <= set(tri.GemmConfig.__slots__):
-            continue
         q, code = quantize_mxfp8(torch.randn(n, k))
         w = MXFP8Weight.from_canonical(q, code, "trtllm")
         x = torch.randn(m, k).bfloat16()
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        cfg = tri.GemmConfig(64, 16, 128, fuse_quant=True, num_stages=2, wgmma=True, sw_ahead=2, pdl=True,
-                             red_chunk=8, **fields)
+        cfg = GemmConfig(64, 16, 128, Kernel.WGMMA, fuse_quant=True, num_stages=2, sw_ahead=2,
+                         pdl=True, red_chunk=8, **fields)
         for _ in range(200):
             tri._launch_wgmma(x, w, None, y, cfg)
         times = []
