@@ -80,7 +80,8 @@ def _digest(out) -> tuple[str, int]:
     import torch
 
     nan = int(out.isnan().sum())
-    return hashlib.sha256(out.contiguous().view(torch.uint8).cpu().numpy().tobytes()).hexdigest(), nan
+    data = out.contiguous().view(torch.uint8).cpu().numpy().tobytes()
+    return hashlib.sha256(data).hexdigest(), nan
 
 
 def run_old(ms, dump: Path) -> None:
@@ -153,7 +154,8 @@ def run_new(dump: Path, result: Path) -> int:
         if nan or r["nan"]:
             problems.append(f"unwritten elements: new {nan}, old {r['nan']}")
         if problems:
-            bad.append({**{key: r[key] for key in ("shape", "m", "layout", "case")}, "problems": problems})
+            where = {key: r[key] for key in ("shape", "m", "layout", "case")}
+            bad.append({**where, "problems": problems})
             print(f"MISMATCH {r['shape']} M={m} {r['layout']} {r['case']}: {problems}", flush=True)
     gpu = torch.cuda.get_device_name() if dev.type == "cuda" else "none (interpreter)"
     summary = {"date": time.strftime("%Y-%m-%d %H:%M:%S"), "gpu": gpu,
@@ -188,7 +190,8 @@ def main() -> None:
     if not dump.is_file():  # gpu_check.sh may have run the old side already, beside the tests
         subprocess.run([*me, "--side", "old"], env={**env, "PYTHONPATH": str(old_root)},
                        cwd=old_root, check=True)
-    rc = subprocess.run([*me, "--side", "new"], env={**env, "PYTHONPATH": str(ROOT)}, cwd=ROOT).returncode
+    new_env = {**env, "PYTHONPATH": str(ROOT)}
+    rc = subprocess.run([*me, "--side", "new"], env=new_env, cwd=ROOT).returncode
     raise SystemExit(rc)
 
 

@@ -37,7 +37,8 @@ def _imports(name: str) -> set[str]:
             else:
                 mod = node.module or ""
             # "from pkg import sub" names a submodule where one exists
-            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod for a in node.names]
+            targets = [f"{mod}.{a.name}" if f"{mod}.{a.name}" in MODULES else mod
+                       for a in node.names]
         else:
             continue
         found.update(t for t in targets if t in MODULES and t != name)
@@ -101,6 +102,7 @@ def test_hopper_rules_import_neither_torch_nor_triton():
     """The rules are testable without a GPU stack: config.py and rules.py import no torch/triton."""
     for mod in ("config", "rules"):
         tree = ast.parse(MODULES[f"{PKG}.runtime.hopper.{mod}"].read_text())
-        names = {a.name.split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.Import) for a in n.names}
-        names |= {(n.module or "").split(".")[0] for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)}
+        nodes = list(ast.walk(tree))
+        names = {a.name.split(".")[0] for n in nodes if isinstance(n, ast.Import) for a in n.names}
+        names |= {(n.module or "").split(".")[0] for n in nodes if isinstance(n, ast.ImportFrom)}
         assert not names & {"torch", "triton"}, (mod, names)

@@ -27,7 +27,7 @@ FACTS = {
     "sm80-108": DeviceFacts(108, (8, 0)),
     "cpu": DeviceFacts(4, None),
 }
-OLD_KINDS = ("decode", "gemv", "cublas", "wgmma")  # a5719ef's exclusive booleans; none: the tile kernel
+OLD_KINDS = ("decode", "gemv", "cublas", "wgmma")  # a5719ef's exclusive booleans; none: tile
 
 
 def _expected(row: list) -> tuple[tuple, dict]:

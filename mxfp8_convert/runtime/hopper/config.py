@@ -41,13 +41,13 @@ class GemmConfig:
     block_k: int
     kind: Kernel = Kernel.TILE
     split_k: int = 1
-    fuse_quant: bool = True  # activations quantized inside the GEMM kernel (else by a kernel before)
+    fuse_quant: bool = True  # activations quantized inside the GEMM kernel (else by one before)
     num_warps: int = 4
     num_stages: int = 3
     group_n: int = 8  # tile: weight tiles that walk down M together (L2 reuse)
-    serial_reduce: bool = False  # split-K: the last program of a tile sums the partials (one launch)
+    serial_reduce: bool = False  # split-K: the last program of a tile sums the partials
     words: bool = True  # gemv: convert the weight bytes from int32 words with integer ops
-    chunk_n: int = 0  # cublas: weight rows dequantized per chunk (0: as many as the workspace holds)
+    chunk_n: int = 0  # cublas: weight rows per chunk (0: as many as the workspace holds)
     sw_ahead: int = 1  # wgmma: K-tiles ahead of use that the weight scale words are loaded
     pdl: bool = False  # wgmma: programmatic dependent launch (``wgmma.wgmma_decode``)
     red_chunk: int = 4  # wgmma: split-K partials loaded per round trip when they are summed
@@ -56,7 +56,7 @@ class GemmConfig:
     prefetch: bool = False  # wgmma with PDL: the weight's first tiles loaded before the wait
     red_release: bool = False  # wgmma with PDL: the reduction kernel releases the next at once
     phys_partials: bool = False  # wgmma, two kernels: partials in the weight's physical row order
-    x_prefetch: bool = False  # wgmma with the prefetch: activation lines asked of L2 before the wait
+    x_prefetch: bool = False  # wgmma, prefetch: activation lines asked of L2 before the wait
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}
@@ -65,8 +65,8 @@ class GemmConfig:
 
 
 def cdiv(a: int, b: int) -> int:
-    """``triton.cdiv`` in plain Python: Triton's is a constexpr function, several microseconds of
-    Python per call on the launch paths (``benchmarks/bench_host.py``)."""
+    """``triton.cdiv`` in plain Python: Triton's is a constexpr function, slow to call on the
+    launch paths (``benchmarks/bench_host.py``)."""
     return -(-a // b)
 
 

@@ -47,9 +47,9 @@ def default_config(m: int, n: int, k: int, device: torch.device, pdl_env: str | 
                    gluon: bool = True) -> GemmConfig:
     """:func:`rules.choose_config` on :func:`probe.device_facts`, memoized per shape, device and
     ``MXFP8_PDL`` value (the other facts do not change within a process but for a refused
-    cluster launch, which clears the cache): the choice costs tens of microseconds of Python,
-    which an eager decode step would pay per linear layer. ``gluon=False``: as on a device
-    without the Gluon kernel (for a weight it cannot read)."""
+    cluster launch, which clears the cache): an eager decode step would otherwise pay the
+    rules' Python per linear layer (BENCHMARKS.md, "Host time per eager call").
+    ``gluon=False``: as on a device without the Gluon kernel (for a weight it cannot read)."""
     facts = probe.device_facts(device)
     if not gluon:
         facts = dataclasses.replace(facts, gluon=False)
@@ -89,7 +89,8 @@ def quantize_activations(
     _check_device(x)
     m, k = x.shape
     if k % 32 or x.stride(1) != 1:
-        raise LayoutError(f"activations must be [M, K] with K % 32 == 0 and unit K stride, got {list(x.shape)}")
+        raise LayoutError("activations must be [M, K] with K % 32 == 0 and unit K stride, "
+                          f"got {list(x.shape)}")
     out: dict[str, torch.Tensor] = {}
     deq_dtype = torch.float32 if x.device.type == "cpu" or permuted else torch.bfloat16
     deq = torch.empty((m, k), dtype=deq_dtype, device=x.device) if dequantized else x
@@ -98,7 +99,8 @@ def quantize_activations(
     block_k = min(block_k, next_pow2(k))
     grid = (cdiv(m, block_m), cdiv(k, block_k))
     _quantize_kernel[grid](x, deq, q, code, m, k, x.stride(0), WRITE_DEQ=dequantized,
-                           WRITE_Q=codes, BLOCK_M=block_m, BLOCK_K=block_k, PERM_DEQ=permuted, num_warps=4)
+                           WRITE_Q=codes, BLOCK_M=block_m, BLOCK_K=block_k, PERM_DEQ=permuted,
+                           num_warps=4)
     if dequantized:
         out["deq"] = deq.view(m, 4, k // 4) if permuted else deq
     if codes:
@@ -130,24 +132,28 @@ def _tile_locks(device: torch.device, tiles: int) -> torch.Tensor:
 
 def _split_k_buffers(out: torch.Tensor, cfg: GemmConfig, tiles: int):
     """``(partial, serial, ws, lock)`` of a launch over ``tiles`` output tiles into ``out`` [M, N]:
-    the fp32 split-K workspace (``out`` when unsplit) and the arrival counters (``ws`` when unused)."""
+    the fp32 split-K workspace (``out`` when unsplit) and the arrival counters (``ws`` when
+    unused)."""
     m, n = out.shape
     partial = cfg.split_k > 1
     serial = partial and cfg.serial_reduce
-    ws = torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=out.device) if partial else out
+    ws = (torch.empty((cfg.split_k, m, n), dtype=torch.float32, device=out.device) if partial
+          else out)
     lock = _tile_locks(out.device, tiles) if serial else ws
     return partial, serial, ws, lock
 
 
-def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, cfg: GemmConfig, has_bias: bool,
+def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, cfg: GemmConfig,
+                   has_bias: bool,
                    pdl: bool = False, p32: bool = False, block: int = 1024) -> None:
     """Sum the split-K partials ``ws`` (+ bias) into ``out`` with a second kernel (``pdl``: launched
     as a programmatic dependent of the GEMM, which lets it launch early; ``p32``: the partials' rows
     are in the trtllm weight's physical order)."""
     total = out.shape[0] * out.shape[1]
     _splitk_reduce_kernel[(cdiv(total, block),)](
-        ws, bias, out, out.shape[1], total, total, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block, PDL=pdl,
-        CHUNK=cfg.red_chunk, RELEASE=cfg.red_release, P32=p32, num_warps=4, **({"launch_pdl": True} if pdl else {}),
+        ws, bias, out, out.shape[1], total, total, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block,
+        PDL=pdl, CHUNK=cfg.red_chunk, RELEASE=cfg.red_release, P32=p32, num_warps=4,
+        **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -157,7 +163,8 @@ def _scale_operand(weight: MXFP8Weight) -> torch.Tensor:
     if weight.layout == CANONICAL:
         return s
     if not s.is_contiguous() or s.data_ptr() % 4:
-        raise LayoutError(f"{weight.name or 'weight'}: 128x4 scale tiles must be contiguous and 4-byte aligned")
+        raise LayoutError(f"{weight.name or 'weight'}: 128x4 scale tiles must be contiguous and "
+                          "4-byte aligned")
     return s.view(torch.int32)
 
 
@@ -269,12 +276,14 @@ def _quantize_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     xc = torch.empty((m, k // 32), dtype=torch.int32, device=x.device)
     bk = min(128, next_pow2(k))
     _quantize_kernel[(cdiv(m, 16), cdiv(k, bk))](
-        x, x, xq, xc, m, k, x.stride(0), WRITE_DEQ=False, WRITE_Q=True, BLOCK_M=16, BLOCK_K=bk, num_warps=4)
+        x, x, xq, xc, m, k, x.stride(0), WRITE_DEQ=False, WRITE_Q=True, BLOCK_M=16, BLOCK_K=bk,
+        num_warps=4)
     return xq.view(torch.float8_e4m3fn), xc
 
 
 def _launch_wgmma(
-    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
+    cfg: GemmConfig,
 ) -> torch.Tensor:
     """Activation quantization (unless the kernel does it: bf16, fp16 or fp32 activations, the
     same bits as the quantization kernel's), the Gluon wgmma decode kernel, and the split-K
@@ -291,17 +300,19 @@ def _launch_wgmma(
         out, cfg, cdiv(weight.shape[0], cfg.block_n))
     try:
         gluon.wgmma_decode(xq, weight, bias, out, ws if partial else None, lock if serial else None,
-                           split_k=cfg.split_k, xc=xc, stages=cfg.num_stages, sw_ahead=cfg.sw_ahead, pdl=cfg.pdl,
-                           red_chunk=cfg.red_chunk, x_words=cfg.x_words, cluster=cfg.cluster, block_n=cfg.block_n,
-                           prefetch=cfg.prefetch, phys_partials=cfg.phys_partials, x_prefetch=cfg.x_prefetch)
+                           split_k=cfg.split_k, xc=xc, stages=cfg.num_stages,
+                           sw_ahead=cfg.sw_ahead, pdl=cfg.pdl, red_chunk=cfg.red_chunk,
+                           x_words=cfg.x_words, cluster=cfg.cluster, block_n=cfg.block_n,
+                           prefetch=cfg.prefetch, phys_partials=cfg.phys_partials,
+                           x_prefetch=cfg.x_prefetch)
     except RuntimeError as err:
         if not cfg.cluster or "cluster" not in str(err).lower():
             raise
         probe.CLUSTERS_REFUSED.add(probe.device_index(x.device))
         default_config.cache_clear()  # the memoized rule chose clusters
         split = no_empty_splits(x.shape[1] // 128, cfg.split_k)  # the global-memory kernel's splits
-        return _launch_wgmma(x, weight, bias, out, dataclasses.replace(cfg, cluster=False, split_k=split,
-                                                                       serial_reduce=True))
+        fallback = dataclasses.replace(cfg, cluster=False, split_k=split, serial_reduce=True)
+        return _launch_wgmma(x, weight, bias, out, fallback)
     if partial and not serial:
         _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl,
                        p32=weight.layout == "trtllm" and cfg.phys_partials)
@@ -309,7 +320,8 @@ def _launch_wgmma(
 
 
 def _launch_decode(
-    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
+    cfg: GemmConfig,
 ) -> torch.Tensor:
     """The decode kernel (+ activation quantization unless fused, + reduce unless serial)."""
     m, k = x.shape
@@ -327,7 +339,8 @@ def _launch_decode(
     _mxfp8_decode_kernel[(tiles, cfg.split_k)](
         x, xq, xc, weight.data, _scale_operand(weight), bias_t, out, ws, lock,
         m, n, k, x.stride(0), weight.data.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
-        LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant, FP8_DOT=x.device.type == "cuda",
+        LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant,
+        FP8_DOT=x.device.type == "cuda",
         HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
         PARTIAL=partial, SERIAL=serial, SCALE_TILE=_scale_tile(weight, cfg.block_k),
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
@@ -338,13 +351,15 @@ def _launch_decode(
 
 
 def _launch_gemv(
-    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
+    cfg: GemmConfig,
 ) -> torch.Tensor:
     """The GEMV kernel (+ activation quantization unless fused, + reduce unless serial)."""
     m, k = x.shape
     n = weight.shape[0]
     if m > cfg.block_m or cfg.block_m > GEMV_MAX_M:
-        raise LayoutError(f"the GEMV kernel serves M <= block_m <= {GEMV_MAX_M}, got M={m}, block_m={cfg.block_m}")
+        raise LayoutError(f"the GEMV kernel serves M <= block_m <= {GEMV_MAX_M}, got M={m}, "
+                          f"block_m={cfg.block_m}")
     if cfg.block_k % 32 or k % cfg.block_k:
         raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
     wdata = weight.data
@@ -363,7 +378,8 @@ def _launch_gemv(
         a, wdata, _scale_operand(weight), bias_t, out, ws, lock,
         m, n, k, a.stride(0), wdata.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant, HAS_BIAS=has_bias,
-        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PARTIAL=partial, SERIAL=serial,
+        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PARTIAL=partial,
+        SERIAL=serial,
         WORDS=words, X_PERM=x_perm,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages,
     )
@@ -373,7 +389,8 @@ def _launch_gemv(
 
 
 def dequantize_weight(
-    weight: MXFP8Weight, start: int = 0, stop: int | None = None, *, out: torch.Tensor | None = None,
+    weight: MXFP8Weight, start: int = 0, stop: int | None = None, *,
+    out: torch.Tensor | None = None,
     block_n: int = 64, block_k: int = 256,
 ) -> torch.Tensor:
     """Logical rows ``[start, stop)`` of ``weight`` as exact ``q * 2^(code-127)``, read from the
@@ -392,27 +409,31 @@ def dequantize_weight(
     n, k = weight.shape
     stop = n if stop is None else stop
     if not 0 <= start <= stop <= n:
-        raise LayoutError(f"{weight.name or 'weight'}: row range [{start}, {stop}) outside [0, {n})")
+        raise LayoutError(
+            f"{weight.name or 'weight'}: row range [{start}, {stop}) outside [0, {n})")
     dtype = torch.bfloat16 if weight.data.device.type == "cuda" else torch.float32
     if out is None:
         out = torch.empty((stop - start, k), dtype=dtype, device=weight.data.device)
     elif out.shape != (stop - start, k) or out.stride(1) != 1:
-        raise LayoutError(f"out must be [{stop - start}, {k}] with unit K stride, got {list(out.shape)}")
+        raise LayoutError(
+            f"out must be [{stop - start}, {k}] with unit K stride, got {list(out.shape)}")
     if stop == start:
         return out
     bk = fit_block_k(k, block_k)
     c, cp4 = _scale_geometry(weight)
     grid = (cdiv(stop - start, block_n), k // bk)
     _dequantize_weight_kernel[grid](
-        weight.data, _scale_operand(weight), out, stop, start, weight.data.stride(0), out.stride(0), c, cp4,
-        LAYOUT=LAYOUT_CODE[weight.layout], DOT_BF16=out.dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_K=bk,
+        weight.data, _scale_operand(weight), out, stop, start, weight.data.stride(0),
+        out.stride(0), c, cp4, LAYOUT=LAYOUT_CODE[weight.layout],
+        DOT_BF16=out.dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_K=bk,
         num_warps=4,
     )
     return out
 
 
 def _launch_cublas(
-    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor, cfg: GemmConfig,
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
+    cfg: GemmConfig,
 ) -> torch.Tensor:
     """Activations quantized once; per chunk of ``cfg.chunk_n`` weight rows, the rows dequantized
     into one reused workspace and ``out[:, chunk] = A @ Wd.T (+ bias)`` by cuBLAS (fp32
@@ -422,10 +443,11 @@ def _launch_cublas(
     chunk = min(cfg.chunk_n or n, n)
     ws = torch.empty((chunk, k), dtype=a.dtype, device=x.device)
     if bias is not None:
-        bias = bias.to(out.dtype)  # added in fp32 by cuBLAS; a non-bf16 bias is rounded to bf16 first
+        bias = bias.to(out.dtype)  # added in fp32 by cuBLAS; a non-bf16 bias is rounded first
     for n0 in range(0, n, chunk):
         n1 = min(n0 + chunk, n)
-        wd = dequantize_weight(weight, n0, n1, out=ws[: n1 - n0], block_n=cfg.block_n, block_k=cfg.block_k)
+        wd = dequantize_weight(weight, n0, n1, out=ws[: n1 - n0], block_n=cfg.block_n,
+                               block_k=cfg.block_k)
         if bias is None:
             torch.mm(a, wd.t(), out=out[:, n0:n1])
         else:

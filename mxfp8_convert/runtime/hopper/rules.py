@@ -112,7 +112,7 @@ TUNED = Tuning()
 
 
 def _pow2_split(tiles: int, k_tiles: int, target: int, min_k_tiles: int) -> int:
-    """Smallest power-of-two split-K with ``tiles * split >= target`` (each split >= min_k_tiles)."""
+    """Smallest power-of-two split-K with ``tiles * split >= target`` (splits >= min_k_tiles)."""
     split = 1
     while tiles * split < target and k_tiles // (split * 2) >= min_k_tiles:
         split *= 2
@@ -273,7 +273,8 @@ def _wgmma_clustered(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig |
     if not facts.clusters:
         return None
     lo, hi = t.wgmma_wide_per_sm
-    if m > 8 and k >= t.wgmma_wide_min_k and lo <= t.wgmma_wide_cluster * cdiv(n, 128) / facts.sms <= hi:
+    wide = t.wgmma_wide_cluster * cdiv(n, 128) / facts.sms  # 128-row programs per SM
+    if m > 8 and k >= t.wgmma_wide_min_k and lo <= wide <= hi:
         return wgmma_config(m, n, k, facts, waves=16, fuse_quant=True, sw_ahead=2,
                             max_split=t.wgmma_wide_cluster, cluster=True, block_n=128)
     tiles = cdiv(n, 64)

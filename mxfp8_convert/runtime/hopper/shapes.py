@@ -15,7 +15,8 @@ QWEN3_4B = [  # hidden 2560, 32 heads / 8 KV heads x 128, MLP 9728
     ("qwen3-4b.gate_up_proj", 9728, 2560),
     ("qwen3-4b.down_proj", 2560, 9728),
 ]
-DEEPSEEK_V3 = [  # hidden 7168; MLA ranks q 1536, kv 512 (+64 rope); 128 heads; MLP 18432; experts 2048
+DEEPSEEK_V3 = [  # hidden 7168; MLA ranks q 1536, kv 512 (+64 rope); 128 heads; MLP 18432;
+    # experts 2048
     ("deepseek-v3.q_a_proj", 1536, 7168),
     ("deepseek-v3.kv_a_proj_with_mqa", 576, 7168),
     ("deepseek-v3.q_b_proj", 24576, 1536),

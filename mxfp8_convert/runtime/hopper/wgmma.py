@@ -438,8 +438,8 @@ def _wgmma_decode_kernel(
 
 @functools.cache
 def _smem_layout(rows: int) -> gl.NVMMASharedLayout:
-    """The 128-byte swizzled shared layout of a ``[rows, BLOCK_K]`` e4m3 tile (made once: about
-    10 us of Python each time, ``benchmarks/bench_host.py``)."""
+    """The 128-byte swizzled shared layout of a ``[rows, BLOCK_K]`` e4m3 tile, made once per shape
+    (building one is slow Python, ``benchmarks/bench_host.py``)."""
     return gl.NVMMASharedLayout.get_default_for([rows, BLOCK_K], gl.float8e4nv)
 
 
