@@ -33,7 +33,7 @@ from mxfp8_convert.format import (
     file_record,
     is_marker,
 )
-from mxfp8_convert.formats import detect, get_format
+from mxfp8_convert.formats import detect_source
 from mxfp8_convert.layouts import p32_row_order, p32_shuffle_rows_array
 from mxfp8_convert.plan import (
     ConversionPlan,
@@ -55,6 +55,7 @@ from mxfp8_convert.transform import (
     MOE_FUSE,
     canonical_module,
     check_scale_codes,
+    dequantized_module,
     fuse_expert,
     layout_scale,
     layout_weight_chunk,
@@ -139,6 +140,8 @@ def plan_conversion(
     ignore: list[str] | None = None,
     revision: str | None = None,
     moe: str = "fuse",
+    quantize_towers: bool = False,
+    allow_no_quantized: bool = False,
     progress: ProgressCallback | None = None,
 ) -> tuple[SourceCheckpoint, ConversionPlan]:
     """Open the source and build the plan (headers only). See ``plan.build_plan``."""
@@ -148,8 +151,9 @@ def plan_conversion(
     root = resolve_model(str(model), revision=revision)
     ckpt = open_checkpoint(root)
     emit(ProgressEvent("planning"))
-    fmt = get_format(source_format) if source_format else detect(ckpt.config, ckpt.hf_quant_config, set(ckpt.tensors))
-    return ckpt, build_plan(ckpt, spec, fmt, on_ineligible=on_ineligible, ignore=ignore, moe=moe)
+    fmt = detect_source(ckpt.config, ckpt.quant_files, ckpt.tensors, source_format)
+    return ckpt, build_plan(ckpt, spec, fmt, on_ineligible=on_ineligible, ignore=ignore, moe=moe,
+                            quantize_towers=quantize_towers, allow_no_quantized=allow_no_quantized)
 
 
 def convert(
@@ -169,6 +173,8 @@ def convert(
     workers: int = 1,
     max_memory: int | None = None,
     moe: str = "fuse",
+    quantize_towers: bool = False,
+    allow_no_quantized: bool = False,
     progress: ProgressCallback | None = None,
 ) -> ConversionResult:
     """Convert a checkpoint to the layout of ``backend``.
@@ -193,6 +199,10 @@ def convert(
             or ``w1/w3/w2``) become the fused MoE kernel's ``[E, 2I, H]`` / ``[E, H, I]`` tensors
             for trtllm, and linears like any other for other backends; ``"keep"``: they stay
             per-expert canonical MXFP8.
+        quantize_towers: dense sources: also quantize the linear layers outside the language
+            model (vision/audio towers, projectors, task heads); by default they are kept.
+        allow_no_quantized: write a plain copy when no module would be converted (else that
+            is an error).
         progress: callback receiving ``ProgressEvent``s.
 
     Returns:
@@ -206,7 +216,9 @@ def convert(
     """
     t0 = time.perf_counter()
     ckpt, plan = plan_conversion(model, backend, source_format=source_format, on_ineligible=on_ineligible,
-                                 ignore=ignore, revision=revision, moe=moe, progress=progress)
+                                 ignore=ignore, revision=revision, moe=moe,
+                                 quantize_towers=quantize_towers,
+                                 allow_no_quantized=allow_no_quantized, progress=progress)
     dest = Path(output) if output is not None else default_output(str(model), backend)
     check_destination(dest, ckpt.root, overwrite=overwrite)
     if dry_run:
@@ -217,7 +229,8 @@ def convert(
                           hint="free disk space or choose another -o")
     params = {"source_fingerprint": plan.fingerprint, "backend": backend, "format": plan.format,
               "on_ineligible": on_ineligible, "ignore": sorted(ignore or []), "tool_version": __version__,
-              "format_version": FORMAT_VERSION, "moe": moe}
+              "format_version": FORMAT_VERSION, "moe": moe, "quantize_towers": quantize_towers,
+              "allow_no_quantized": allow_no_quantized}
     shards = list(plan.shards)
     if part is not None:
         i, n = _check_part(part)
@@ -332,7 +345,10 @@ def finalize(output: str | Path, *, source: str | Path | None = None, hub_repo_i
     try:
         p = staging.params
         ckpt, plan = plan_conversion(str(source or staging.source), p["backend"], source_format=p["format"],
-                                     on_ineligible=p["on_ineligible"], ignore=p["ignore"], moe=p.get("moe", "fuse"))
+                                     on_ineligible=p["on_ineligible"], ignore=p["ignore"],
+                                     moe=p.get("moe", "fuse"),
+                                     quantize_towers=p.get("quantize_towers", False),
+                                     allow_no_quantized=p.get("allow_no_quantized", False))
         if plan.fingerprint != p["source_fingerprint"]:
             raise OutputError(f"{ckpt.root}: not the source the parts were converted from (fingerprint differs)")
         missing = [s.name for s in plan.shards if s.name not in staging.files]
@@ -417,7 +433,9 @@ class _Executor:
     def completion_record(self, files: dict[str, dict]) -> dict:
         return Completion(
             backend=self.plan.backend, tool_version=__version__,
-            source_fingerprint=self.plan.fingerprint, quantization_errors=dict(sorted(self.errors.items())),
+            source_fingerprint=self.plan.fingerprint, source_format=self.plan.format,
+            quantize_towers=self.plan.quantize_towers,
+            quantization_errors=dict(sorted(self.errors.items())),
             files={rel: FileRecord(**rec) for rel, rec in sorted(files.items())},
         ).to_dict()
 
@@ -468,6 +486,8 @@ class _Executor:
             yield from self._fused(t, self.moe[t.module], writer)
         elif m is None:
             yield from self._copy(self.ckpt.tensors[t.source], writer, check_nan=False)
+        elif m.action == "dequantize":
+            yield from self._dequantized(t, m, writer)
         elif m.action in ("relayout", "keep") and m.source_backend is None:
             yield from self._stream_mxfp8(t, m, writer)
         else:
@@ -560,6 +580,15 @@ class _Executor:
                              lambda _, b=buf: self.pool.release(b))
             yield chunk.numel()
 
+    def _dequantized(self, t: TensorPlan, m: ModulePlan, writer: ShardWriter) -> Iterator[int]:
+        """An ignored (or unfit) module of a quantized source, in the model's dtype."""
+        scale = self.source(m.scale) if m.scale is not None else None
+        src = BACKENDS[m.source_backend] if m.source_backend else None
+        out = dequantized_module(m, self.source(m.weight), scale, src, torch_dtype(t.dtype))
+        writer.write(out.reshape(-1).view(torch.uint8))
+        self._drop(m)
+        yield t.nbytes
+
     def _drop(self, m: ModulePlan) -> None:
         """Done with a module's source bytes: let their pages leave the resident set."""
         for info in (m.weight, m.scale):
@@ -623,6 +652,7 @@ def _shard_metadata(ckpt: SourceCheckpoint, plan: ConversionPlan, shard: ShardPl
     if not is_marker(plan.marker):
         return meta  # canonical output: plain MXFP8, no marker
     meta[META_MARKER] = json.dumps(plan.marker, sort_keys=True, separators=(",", ":"))
-    records = {t.name: t.record() for t in shard.tensors if t.role != "passthrough"}
+    records = {t.name: t.record() for t in shard.tensors
+               if t.role not in ("passthrough", "dequantized")}
     meta[META_TENSORS] = json.dumps(records, sort_keys=True, separators=(",", ":"))
     return meta

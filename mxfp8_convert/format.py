@@ -169,6 +169,16 @@ def _str(v: Any) -> str:
     return v
 
 
+def _str_or_null(v: Any) -> str | None:
+    return None if v is None else _str(v)
+
+
+def _bool(v: Any) -> bool:
+    if type(v) is not bool:
+        raise _Invalid(f"{v!r} is not true or false")
+    return v
+
+
 def _int(v: Any) -> int:
     if type(v) is not int:
         raise _Invalid(f"{v!r} is not an integer")
@@ -348,6 +358,8 @@ class Marker(_Record):
     moe: MoeMarker | None = _key(_record(MoeMarker), default=None, absent=None)
     #: tensor-parallel sizes at which every module slices on tile boundaries (FORMAT.md 2a)
     tp_compat: tuple[int, ...] | None = _key(_ints, default=None, absent=None)
+    #: the source's FP8 KV cache, compressed-tensors ``kv_cache_scheme`` form (FORMAT.md 2)
+    kv_cache_scheme: dict | None = _key(_object_or_null, default=None, absent=None)
     original_quantization_config: dict | None = _key(_object_or_null, default=None, absent=None)
 
     def __post_init__(self) -> None:
@@ -406,7 +418,8 @@ class Marker(_Record):
 def make_marker(backend: str, *, dialect: str, fingerprint: str, tool_version: str,
                 ignored_layers: list[str] | tuple[str, ...] = (),
                 moe: MoeMarker | None = None, original: dict | None = None,
-                tp_compat: list[int] | tuple[int, ...] | None = None) -> Marker:
+                tp_compat: list[int] | tuple[int, ...] | None = None,
+                kv_cache_scheme: dict | None = None) -> Marker:
     """The marker of an output laid out for ``backend`` (``trtllm`` or ``cutlass``).
 
     ``ignored_layers`` is sorted and deduplicated; ``original`` is the source's own
@@ -420,17 +433,23 @@ def make_marker(backend: str, *, dialect: str, fingerprint: str, tool_version: s
                   source=Source(dialect=dialect, fingerprint=fingerprint),
                   ignored_layers=tuple(sorted(set(ignored_layers))), moe=moe,
                   tp_compat=None if tp_compat is None else tuple(tp_compat),
-                  original_quantization_config=original)
+                  kv_cache_scheme=kv_cache_scheme, original_quantization_config=original)
 
 
-def canonical_config(original: dict | None, ignored_layers: list[str] | tuple[str, ...]) -> dict:
-    """config.json ``quantization_config`` of plain SGLang/Miles MXFP8 (``canonical`` output)."""
+def canonical_config(original: dict | None, ignored_layers: list[str] | tuple[str, ...],
+                     kv_cache_scheme: dict | None = None) -> dict:
+    """config.json ``quantization_config`` of plain SGLang/Miles MXFP8 (``canonical`` output).
+    ``ignored_layers``: the exact names of the linear modules left unquantized."""
+    ignored = sorted(set(ignored_layers))
     if original and original.get("quant_method") == CANONICAL_QUANT_METHOD:
-        return original  # came from SGLang MXFP8: give its config back untouched
-    return {"quant_method": CANONICAL_QUANT_METHOD, "fmt": "e4m3",
-            "weight_block_size": [1, BLOCK_SIZE], "scale_fmt": "ue8m0",
-            "activation_scheme": "dynamic",
-            "ignored_layers": sorted(set(ignored_layers))}
+        # came from SGLang MXFP8: its config back, with the modules this output leaves unquantized
+        if set(original.get("ignored_layers") or []) == set(ignored):
+            return original
+        return {**original, "ignored_layers": ignored}
+    out = {"quant_method": CANONICAL_QUANT_METHOD, "fmt": "e4m3",
+           "weight_block_size": [1, BLOCK_SIZE], "scale_fmt": "ue8m0",
+           "activation_scheme": "dynamic", "ignored_layers": ignored}
+    return {**out, "kv_cache_scheme": kv_cache_scheme} if kv_cache_scheme else out
 
 
 def is_marker(qc: Any) -> bool:
@@ -498,6 +517,10 @@ class Completion(_Record):
     backend: str = _key(_str)
     tool_version: str = _key(_str)
     source_fingerprint: str = _key(_str)
+    #: the source format the conversion read, and whether linears outside the language model
+    #: were quantized: ``verify --source`` plans the source again with both
+    source_format: str | None = _key(_str_or_null, default=None, absent=None)
+    quantize_towers: bool = _key(_bool, default=False, absent=False)
     quantization_errors: dict[str, dict] = _key(_errors, factory=dict)
     files: dict[str, FileRecord] = _key(_files, factory=dict)
 

@@ -12,7 +12,7 @@ from pathlib import Path
 from mxfp8_convert.backends import BACKENDS, KERNEL_BACKENDS
 from mxfp8_convert.errors import ConvertError
 from mxfp8_convert.format import CANONICAL_LAYOUT, COMPLETE_MARKER, SWIZZLED_SUFFIX
-from mxfp8_convert.formats import detect, get_format
+from mxfp8_convert.formats import detect_source
 from mxfp8_convert.layouts.moe import moe_shape_violations
 from mxfp8_convert.plan import (
     EXPERT_ROLES,
@@ -84,7 +84,7 @@ def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, re
     """Describe a source or an output checkpoint (local folder or Hub repo id)."""
     root = resolve_model(str(path), revision=revision)
     ckpt = open_checkpoint(root)
-    fmt = get_format(source_format) if source_format else detect(ckpt.config, ckpt.hf_quant_config, set(ckpt.tensors))
+    fmt = detect_source(ckpt.config, ckpt.quant_files, ckpt.tensors, source_format)
     marker = (ckpt.config or {}).get("quantization_config") or {}
     laid_out = fmt.kind == "laid_out"
     report = InspectReport(
@@ -156,7 +156,8 @@ def _why_not(backend, w, n: int, k: int) -> list[str]:
 def _conversion(ckpt, fmt, backend: str) -> str:
     """What converting to ``backend`` would do, in one phrase."""
     try:
-        plan = build_plan(ckpt, BACKENDS[backend], fmt, on_ineligible="keep")
+        plan = build_plan(ckpt, BACKENDS[backend], fmt, on_ineligible="keep",
+                          allow_no_quantized=True)
     except ConvertError as e:
         return f"not possible: {e}"
     counts = plan.to_dict()["modules_by_action"]

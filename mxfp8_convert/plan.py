@@ -15,6 +15,7 @@ import re
 from dataclasses import dataclass, field, replace
 
 from mxfp8_convert._version import __version__
+from mxfp8_convert.architecture import QUANTIZED_KINDS, NameRules
 from mxfp8_convert.backends import BACKENDS, BackendSpec
 from mxfp8_convert.dtypes import FLOAT_DTYPES, UE8M0_DTYPES, itemsize
 from mxfp8_convert.errors import FormatError, IneligibleError, LayoutError, SourceError
@@ -32,7 +33,7 @@ from mxfp8_convert.format import (  # noqa: F401 - COMPLETE_MARKER re-exported f
     make_marker,
 )
 from mxfp8_convert.format import MOE_TENSORS as MOE_TENSOR_NAMES
-from mxfp8_convert.formats import FormatSpec
+from mxfp8_convert.formats import FormatSpec, kv_cache_scheme
 from mxfp8_convert.layouts._common import ceil_to
 from mxfp8_convert.layouts.moe import (
     moe_fc1_scale_shape,
@@ -43,11 +44,13 @@ from mxfp8_convert.layouts.moe import (
 )
 from mxfp8_convert.read import SourceCheckpoint, TensorInfo, read_tensor
 
-#: modules never quantized from a dense source (SPEC section 4): embeddings, heads, norms, routers
-_DENSE_SKIP = re.compile(
-    r"(^|\.)(lm_head|embed_tokens|embeddings?|wte|wpe|word_embeddings|output|score|classifier)$"
-    r"|norm|(^|\.)(gate|router)$"
-)
+#: tensors of a quantized source an MXFP8 output has no use for: static activation scales
+#: (MXFP8 activations are quantized dynamically, per 1x32 block)
+DROPPED_SUFFIXES = (".input_scale",)  # ModelOpt FP8, vLLM fp8 static, compressed-tensors FP8
+#: KV-cache scales, kept under their names (vLLM's maybe_remap_kv_scale_name reads
+#: ``self_attn.{k,v}_proj.{k,v}_scale`` and ``self_attn.{k,v}_scale``) with the marker's
+#: ``kv_cache_scheme``
+KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
 #: per-expert linear modules of a MoE block under the usual Hub names (SPEC section 6):
 #: ``<block>.experts.<e>.<proj>``. The ``.experts.`` must follow a dot, so shared experts
@@ -97,14 +100,46 @@ class ModulePlan:
     source_kind: str = "mxfp8"  # FormatSpec.kind of the source
     source_backend: str | None = None  # laid-out sources: the backend their bytes are laid out for
     fused: ExpertSlice | None = None  # an expert cut out of a fused MoE source
+    #: how the module was found: "source" (quantized in the source), "architecture" or "names"
+    decided_by: str = "source"
+    stacked: StackedSlice | None = None  # an expert cut out of a stacked 3-D tensor
 
     def to_dict(self) -> dict:
         return {
             "name": self.name, "shape": [self.n, self.k], "action": self.action,
             "layout": self.layout, "reason": self.reason, "source_kind": self.source_kind,
-            "source_backend": self.source_backend,
+            "source_backend": self.source_backend, "decided_by": self.decided_by,
             "weight": self.weight.name, "scale": self.scale.name if self.scale else None,
         }
+
+
+@dataclass(frozen=True, slots=True)
+class StackedSlice:
+    """Expert ``expert``'s projection ``proj`` of a stacked ``[E, K, N]`` source tensor (K is
+    axis 1: Llama-4 ``gate_up_proj [E, H, 2I]``, ``down_proj [E, I, H]``): ``weight`` is the
+    ``[K, N']`` slice of that expert; the module's ``[N, K]`` weight is its columns ``cols``
+    (``"first"`` / ``"second"`` half, ``"even"`` / ``"odd"`` columns, ``"all"``), transposed."""
+
+    proj: str  # "gate" | "up" | "down"
+    expert: int
+    cols: str
+    fusable: bool = True  # the trtllm-gen fused MoE kernel computes these experts
+
+
+@dataclass(frozen=True, slots=True)
+class Unquantized:
+    """A weight of the source left as it is, and why (``kind``: ``architecture.KINDS``,
+    ``ignored`` or ``ineligible``)."""
+
+    name: str
+    shape: tuple[int, ...]
+    kind: str
+    why: str
+    decided_by: str
+
+    def to_dict(self) -> dict:
+        return {"name": self.name, "shape": list(self.shape), "kind": self.kind, "why": self.why,
+                "decided_by": self.decided_by}
 
 
 @dataclass(frozen=True, slots=True)
@@ -160,7 +195,17 @@ ACTIONS = {
     "lossless": "FP8 bytes kept, power-of-two scales mapped exactly to UE8M0",
     "requantize": "FP8 dequantized and requantized to MXFP8 (error reported)",
     "quantize": "high-precision weight quantized to MXFP8 (error reported)",
+    "dequantize": "quantized source weight written dequantized in the model's dtype (ignored, "
+                  "or no MXFP8 layout fits it)",
 }
+#: actions that write an MXFP8 module (a run with none of them converts nothing)
+MXFP8_ACTIONS = ("relayout", "keep", "lossless", "requantize", "quantize")
+#: weights left as they are that the marker's ``ignored_layers`` does not list: they are not
+#: linear layers an engine could take as quantized (embeddings, norms), or routers, which no
+#: MXFP8 scheme quantizes
+NOT_IGNORED_KINDS = ("other", "router")
+#: the layout name of a dequantized module's weight
+DEQUANTIZED_LAYOUT = "dequantized"
 
 
 @dataclass(frozen=True, slots=True)
@@ -244,6 +289,10 @@ class ConversionPlan:
     kept: tuple[str, ...] = field(default=())
     moe: tuple[MoELayerPlan, ...] = field(default=())  # MoE blocks fused for the backend
     moe_mode: str = "fuse"
+    unquantized: tuple[Unquantized, ...] = field(default=())  # weights left as they are
+    dropped: tuple[str, ...] = field(default=())  # source tensors not written (DROPPED_SUFFIXES)
+    kv_scales: tuple[str, ...] = field(default=())  # KV-cache scales kept
+    quantize_towers: bool = False  # linears outside the language model quantized too
 
     @property
     def nbytes(self) -> int:
@@ -261,6 +310,9 @@ class ConversionPlan:
             "shards": [s.to_dict() for s in self.shards], "copied_files": list(self.copied_files),
             "source_fingerprint": self.fingerprint,
             "marker": self.marker,
+            "unquantized": [u.to_dict() for u in self.unquantized],
+            "dropped_tensors": list(self.dropped),
+            "kv_cache_scales": list(self.kv_scales),
         }
 
 
@@ -274,22 +326,61 @@ def fingerprint(ckpt: SourceCheckpoint) -> str:
 
 
 def _matches_any(module: str, patterns: list[str]) -> bool:
-    return any(module == p or fnmatch.fnmatchcase(module, p) or module.endswith("." + p) for p in patterns)
+    return any(_matches(module, p) for p in patterns)
 
 
-def find_modules(ckpt: SourceCheckpoint, fmt: FormatSpec, ignore: list[str]) -> list[tuple[str, TensorInfo, TensorInfo | None]]:
-    """Pair each quantized (or, for dense sources, quantizable) weight with its scale."""
+def _matches(module: str, pattern: str) -> bool:
+    """``--ignore`` semantics: the checkpoint's module name (tensor name less ``.weight``) equals
+    the pattern, matches it as an fnmatch pattern, or ends with ``.PATTERN``."""
+    return (module == pattern or fnmatch.fnmatchcase(module, pattern)
+            or module.endswith("." + pattern))
+
+
+def module_names(ckpt: SourceCheckpoint) -> set[str]:
+    """Every module name ``--ignore`` can match: tensor names less ``.weight``, stacked expert
+    tensors and fused MoE blocks."""
+    names = {n[: -len(".weight")] for n in ckpt.tensors if n.endswith(".weight")}
+    names |= {n for n, i in ckpt.tensors.items() if len(i.shape) == 3}
+    return names | set(fused_moe_blocks(ckpt))
+
+
+def resolve_ignore(ckpt: SourceCheckpoint, patterns: list[str], *, strict: bool = True) -> set[str]:
+    """The exact module names ``--ignore`` patterns select.
+
+    Raises:
+        FormatError: ``strict`` and a pattern matches no module of the checkpoint.
+    """
+    names = module_names(ckpt)
+    out: set[str] = set()
+    for p in patterns:
+        hits = {n for n in names if _matches(n, p)}
+        if not hits and strict:
+            raise FormatError(f"--ignore {p!r} matches no module of {ckpt.root}",
+                              hint="patterns match the checkpoint's own names (tensor names less "
+                                   "'.weight'; `inspect` lists them), e.g. 'model.visual.*'")
+        out |= hits
+    return out
+
+
+def find_modules(ckpt: SourceCheckpoint, fmt: FormatSpec,
+                 ignore) -> list[tuple[str, TensorInfo, TensorInfo | None]]:
+    """Pair each quantized weight with its scale; for dense sources, each weight the
+    architecture (or the name rules) calls a linear of the language model. ``ignore``: module
+    names (or patterns) left out."""
+    if fmt.kind == "dense":
+        arch = dense_architecture(ckpt)
+        return sorted((_module_of(n), i, None) for n, i in ckpt.tensors.items()
+                      if n.endswith(".weight") and i.dtype in FLOAT_DTYPES and len(i.shape) == 2
+                      and arch.decide(n, i.shape).quantized
+                      and not _matches_any(_module_of(n), list(ignore)))
+    pairs = _quantized_pairs(ckpt, fmt)
+    return [(m, w, s) for m, w, s in pairs if not _matches_any(m, list(ignore))]
+
+
+def _quantized_pairs(ckpt: SourceCheckpoint,
+                     fmt: FormatSpec) -> list[tuple[str, TensorInfo, TensorInfo]]:
     tensors = ckpt.tensors
     out = []
-    if fmt.kind == "dense":
-        for name, info in tensors.items():
-            if not name.endswith(".weight") or len(info.shape) != 2 or info.dtype not in FLOAT_DTYPES:
-                continue
-            module = name[: -len(".weight")]
-            if _DENSE_SKIP.search(module) or _matches_any(module, ignore):
-                continue
-            out.append((module, info, None))
-        return sorted(out, key=lambda m: m[0])
     suffixes = _scale_suffixes(fmt)
     for name, info in tensors.items():
         for suffix in suffixes:
@@ -302,9 +393,22 @@ def find_modules(ckpt: SourceCheckpoint, fmt: FormatSpec, ignore: list[str]) -> 
         if scale is None:
             raise SourceError(f"{info.file}: weight {name!r} is float8_e4m3fn but has no scale "
                               f"{module + '.' + suffixes[0]!r}")
-        if not _matches_any(module, ignore):
-            out.append((module, info, scale))
+        out.append((module, info, scale))
     return sorted(out, key=lambda m: m[0])
+
+
+_ARCHITECTURES: dict[str, object] = {}
+
+
+def dense_architecture(ckpt: SourceCheckpoint):
+    """``architecture.architecture(config)``, built once per config (it imports transformers)."""
+    from mxfp8_convert.architecture import architecture
+
+    key = ckpt.config_raw.decode("utf-8", "replace")
+    if key not in _ARCHITECTURES:
+        _ARCHITECTURES.clear()  # one model at a time
+        _ARCHITECTURES[key] = architecture(ckpt.config)
+    return _ARCHITECTURES[key]
 
 
 def _scale_suffixes(fmt: FormatSpec) -> tuple[str, ...]:
@@ -343,8 +447,9 @@ def _check_laid_out_pair(w: TensorInfo, s: TensorInfo, src: BackendSpec) -> tupl
 
 def _check_fp8_pair(ckpt: SourceCheckpoint, fmt: FormatSpec, w: TensorInfo, s: TensorInfo) -> tuple[int, int, bool]:
     """Shapes of a block/per-tensor FP8 pair, and whether it converts losslessly (reads the
-    small float scale tensor: the only tensor data the plan ever reads)."""
-    n, k = _check_weight(w)
+    small float scale tensor: the only tensor data the plan ever reads). K need not be a
+    multiple of 32: the backend check says what becomes of such a module."""
+    n, k = _check_2d(w)
     if s.dtype not in FLOAT_DTYPES:
         raise LayoutError(f"{s.file}: scale {s.name!r} has dtype {s.dtype}; FP8 scales are floating point")
     if fmt.kind == "block_fp8":
@@ -371,8 +476,7 @@ def _source_backend(ckpt: SourceCheckpoint, fmt: FormatSpec) -> BackendSpec | No
 def _classify(ckpt, fmt, src, w, s) -> tuple[int, int, str]:
     """(N, K, action before backend constraints) of one module."""
     if fmt.kind == "dense":
-        n, k = _check_weight(w)
-        return n, k, "quantize"
+        return (*_check_2d(w), "quantize")
     if fmt.kind in ("block_fp8", "fp8"):
         n, k, lossless = _check_fp8_pair(ckpt, fmt, w, s)
         return n, k, "lossless" if lossless else "requantize"
@@ -380,34 +484,166 @@ def _classify(ckpt, fmt, src, w, s) -> tuple[int, int, str]:
     return n, k, "relayout"
 
 
-def _candidates(ckpt, fmt, src: BackendSpec | None, backend: BackendSpec, ignore) -> list[ModulePlan]:
+def _check_2d(w: TensorInfo) -> tuple[int, int]:
+    """``[N, K]`` of a weight whose K need not fit MXFP8 blocks (the backend check says so)."""
+    if len(w.shape) != 2:
+        raise LayoutError(f"{w.file}: weight {w.name!r} has shape {list(w.shape)}; "
+                          "only 2-D linear weights are supported")
+    return w.shape
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """What the search of a source found: modules to plan, weights left as they are."""
+
+    modules: list[ModulePlan]
+    unquantized: list[Unquantized]
+
+
+def _candidates(ckpt, fmt, src: BackendSpec | None, backend: BackendSpec, ignored: set[str],
+                towers: bool) -> _Found:
     """Every linear module of the source, classified and planned for ``backend`` before its
-    constraints are checked: the weight/scale pairs found, and the experts of fused MoE sources."""
-    out = []
-    for module, w, s in find_modules(ckpt, fmt, ignore):
+    constraints are checked, and every other weight with why it is left as it is. Ignored
+    modules of a quantized source are planned dequantized."""
+    if fmt.kind == "dense":
+        return _dense_candidates(ckpt, backend, ignored, towers)
+    out, unq = [], []
+    for module, w, s in _quantized_pairs(ckpt, fmt):
         n, k, action = _classify(ckpt, fmt, src, w, s)
         src_name = src.name if src is not None and s.name.endswith("." + SWIZZLED_SUFFIX) else None
-        out.append(ModulePlan(module, n, k, w, s, action, backend.weight_layout, None, fmt.kind, src_name))
+        m = ModulePlan(module, n, k, w, s, action, backend.weight_layout, None, fmt.kind, src_name)
+        out.append(_dequantized(m, "--ignore") if module in ignored else m)
     if src is not None:
-        out += _unfused_experts(ckpt, fmt, src, backend, ignore)
-    return out
+        out += _unfused_experts(ckpt, fmt, src, backend, ignored)
+    consumed = {t.name for m in out for t in (m.weight, m.scale) if t is not None}
+    rules = NameRules("not quantized in the source")
+    for name, info in sorted(ckpt.tensors.items()):
+        if name in consumed or info.dtype not in FLOAT_DTYPES or len(info.shape) not in (2, 3):
+            continue
+        if len(info.shape) == 2 and not name.endswith(".weight"):
+            continue
+        d = rules.decide(name[: -len(".weight")] if name.endswith(".weight") else name, info.shape)
+        unq.append(Unquantized(_module_of(name), info.shape, d.kind, "not quantized in the source",
+                               "source"))
+    return _Found(out, unq)
 
 
-def _module_plans(ckpt, fmt, backend: BackendSpec, ignore, on_ineligible,
-                  moe: str) -> tuple[list[ModulePlan], list[MoELayerPlan]]:
+def _module_of(name: str) -> str:
+    return name[: -len(".weight")] if name.endswith(".weight") else name
+
+
+def _dequantized(m: ModulePlan, reason: str) -> ModulePlan:
+    return replace(m, action="dequantize", layout=DEQUANTIZED_LAYOUT, reason=reason)
+
+
+def _dense_candidates(ckpt, backend: BackendSpec, ignored: set[str], towers: bool) -> _Found:
+    """Float weights: the linears the architecture (or the name rules) puts in the language
+    model, or outside it with ``towers``; stacked 3-D experts where their layout is known."""
+    arch = dense_architecture(ckpt)
+    out, unq = [], []
+    for name, info in sorted(ckpt.tensors.items()):
+        if info.dtype not in FLOAT_DTYPES or len(info.shape) not in (2, 3):
+            continue
+        if len(info.shape) == 2 and not name.endswith(".weight"):
+            continue
+        module = _module_of(name)
+        d = arch.decide(name, info.shape)
+        wanted = d.kind in (*QUANTIZED_KINDS, "stacked_experts") or (towers and d.kind == "outside")
+        if not wanted:
+            unq.append(Unquantized(module, info.shape, d.kind, d.why, d.basis))
+        elif module in ignored:
+            unq.append(Unquantized(module, info.shape, "ignored", "--ignore", d.basis))
+        elif d.kind == "stacked_experts":
+            found = _stacked_experts(ckpt, name, info, backend, d)
+            out += found.modules
+            unq += found.unquantized
+        elif len(info.shape) == 2:
+            n, k = info.shape
+            out.append(ModulePlan(module, n, k, info, None, "quantize", backend.weight_layout, None,
+                                  "dense", None, decided_by=d.basis))
+    return _Found(out, unq)
+
+
+@dataclass(frozen=True, slots=True)
+class StackedLayout:
+    """How a family stores its experts stacked: tensor name -> the projections it holds (and
+    their columns), and whether the trtllm-gen fused MoE kernel computes that family's experts
+    (a plain SiLU-gated MLP without biases)."""
+
+    projs: dict
+    fusable: bool
+
+
+#: model_type -> layout of ``<block>.gate_up_proj [E, H, 2I]`` / ``<block>.down_proj [E, I, H]``
+#: (K is axis 1: the modules compute ``x @ W[e]``)
+STACKED_EXPERTS = {
+    # Llama-4: gate_up.chunk(2, dim=-1): gate first (Llama4TextExperts)
+    "llama4_text": StackedLayout({"gate_up_proj": (("gate", "first"), ("up", "second")),
+                                  "down_proj": (("down", "all"),)}, fusable=True),
+    # gpt-oss: gate_up[..., ::2], gate_up[..., 1::2]; clamped SwiGLU with biases (GptOssExperts)
+    "gpt_oss": StackedLayout({"gate_up_proj": (("gate", "even"), ("up", "odd")),
+                              "down_proj": (("down", "all"),)}, fusable=False),
+}
+STACKED_EXPERTS["llama4"] = STACKED_EXPERTS["llama4_text"]
+_STACKED_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def _text_config(cfg: dict) -> dict:
+    text = cfg.get("text_config")
+    return text if isinstance(text, dict) else cfg
+
+
+def _stacked_experts(ckpt, name: str, info: TensorInfo, backend: BackendSpec, d) -> _Found:
+    """Per-expert modules ``<block>.<e>.{gate,up,down}_proj`` cut out of a stacked tensor whose
+    layout ``STACKED_EXPERTS`` knows and whose shape fits the config; else the tensor is left
+    as it is, saying why."""
+    cfg = ckpt.config or {}
+    text = _text_config(cfg)
+    model_type = text.get("model_type", cfg.get("model_type"))
+    block, _, tensor = name.rpartition(".")
+    layout = STACKED_EXPERTS.get(model_type)
+    projs = layout.projs.get(tensor) if layout is not None else None
+    if projs is None:
+        why = f"stacked experts of {model_type!r}: layout of {tensor!r} unknown, left as it is"
+        return _Found([], [Unquantized(name, info.shape, "stacked_experts", why, d.basis)])
+    e, k, cols = info.shape
+    h, i = text.get("hidden_size"), text.get("intermediate_size")
+    want = (h, 2 * i) if tensor == "gate_up_proj" else (i, h)
+    if not isinstance(h, int) or not isinstance(i, int) or (k, cols) != want:
+        why = (f"stacked experts [E, K, N] = {list(info.shape)} do not fit hidden_size={h}, "
+               f"intermediate_size={i} of config.json; left as they are")
+        return _Found([], [Unquantized(name, info.shape, "stacked_experts", why, d.basis)])
+    n = cols // len(projs)
+    out = [ModulePlan(f"{block}.{x}.{_STACKED_NAMES[proj]}", n, k, expert_slice(info, x), None,
+                      "quantize", backend.weight_layout, None, "dense", None, decided_by=d.basis,
+                      stacked=StackedSlice(proj, x, sel, layout.fusable))
+           for x in range(e) for proj, sel in projs]
+    return _Found(out, [])
+
+
+def _module_plans(ckpt, fmt, backend: BackendSpec, ignored: set[str], on_ineligible, moe: str,
+                  towers: bool) -> tuple[list[ModulePlan], list[MoELayerPlan], list[Unquantized]]:
     src = _source_backend(ckpt, fmt)
     if src is not None and src.name == backend.name:
         raise FormatError(f"{ckpt.root}: already laid out for {backend.name}",
                           hint="nothing to do; use --backend canonical to get plain MXFP8 back")
-    dense, blocks = _split_experts(_candidates(ckpt, fmt, src, backend, ignore))
+    found = _candidates(ckpt, fmt, src, backend, ignored, towers)
+    unq = list(found.unquantized)
+    dense, blocks = _split_experts(found.modules)
     offenders: list[str] = []
-    plans = [p for m in dense if (p := _fit(m, backend, on_ineligible, offenders)) is not None]
+    plans = [p for m in dense if (p := _fit(m, backend, on_ineligible, offenders, unq)) is not None]
     layers = []
     for block, experts in blocks.items():
+        fusable = all(m.stacked is None or m.stacked.fusable for m in experts)
+        plans += [m for m in experts if m.action == "dequantize"]  # ignored: not in the block
+        experts = [m for m in experts if m.action != "dequantize"]
+        if not experts:
+            continue
         if moe == "keep" and backend.laid_out:
             plans += [_kept(m, "--moe keep") for m in experts]
-        elif backend.name not in MOE_BACKENDS or moe == "keep":
-            plans += [p for m in experts if (p := _fit(m, backend, on_ineligible, offenders)) is not None]
+        elif backend.name not in MOE_BACKENDS or moe == "keep" or not fusable:
+            fits = (_fit(m, backend, on_ineligible, offenders, unq) for m in experts)
+            plans += [p for p in fits if p is not None]
         else:
             layer = _moe_layer(block, experts)
             bad = moe_shape_violations(layer.hidden, layer.intermediate)
@@ -419,7 +655,9 @@ def _module_plans(ckpt, fmt, backend: BackendSpec, ignore, on_ineligible,
             else:
                 plans += [_kept(m, "fused MoE: " + "; ".join(bad)) for m in experts]
     if offenders:
-        hint = "use --on-ineligible keep to leave them in canonical MXFP8, or another --backend"
+        hint = ("use --on-ineligible keep to keep them (canonical MXFP8 where K is a multiple of "
+                "32, else as they are), --ignore NAME to leave a module as it is, or another "
+                "--backend")
         what = "tensor(s) or MoE block(s)" if any(o.startswith(tuple(b + " [E=" for b in blocks)) for o in offenders) \
             else "tensor(s)"
         raise IneligibleError(
@@ -428,18 +666,29 @@ def _module_plans(ckpt, fmt, backend: BackendSpec, ignore, on_ineligible,
             hint=hint + ("; --moe keep leaves the experts per-expert" if blocks else ""),
         )
     _check_spelling(layers)
-    return plans, sorted(layers, key=lambda layer: layer.name)
+    return plans, sorted(layers, key=lambda layer: layer.name), unq
 
 
-def _fit(m: ModulePlan, backend: BackendSpec, on_ineligible: str, offenders: list[str]) -> ModulePlan | None:
-    """``m`` if ``backend`` takes it; else ``m`` kept canonical, or None (and noted in ``offenders``)."""
+def _fit(m: ModulePlan, backend: BackendSpec, on_ineligible: str, offenders: list[str],
+         unquantized: list[Unquantized]) -> ModulePlan | None:
+    """``m`` if ``backend`` takes it; else (``keep``) ``m`` kept canonical, or, where K has no
+    1x32 blocks, left in the source's precision (dense: as it is, quantized: dequantized);
+    else None (noted in ``offenders``)."""
+    if m.action == "dequantize":
+        return m
     bad = backend.violations(m.n, m.k)
     if not bad:
         return m
     if on_ineligible == "error":
         offenders.append(f"{m.name}.weight [{m.n}, {m.k}]: {', '.join(bad)}")
         return None
-    return _kept(m, "; ".join(bad))
+    if m.k % 32 == 0:
+        return _kept(m, "; ".join(bad))
+    if m.source_kind == "dense":
+        unquantized.append(Unquantized(m.name, (m.n, m.k), "ineligible", "; ".join(bad),
+                                       m.decided_by))
+        return None
+    return _dequantized(m, "; ".join(bad))
 
 
 def _kept(m: ModulePlan, reason: str) -> ModulePlan:
@@ -555,12 +804,12 @@ def _experts_suffixes(ckpt: SourceCheckpoint, block: str) -> dict[str, str]:
     return names
 
 
-def _unfused_experts(ckpt, fmt, src: BackendSpec, backend: BackendSpec, ignore) -> list[ModulePlan]:
-    """Each expert projection of each fused MoE block of a laid-out source, as a module."""
+def _unfused_experts(ckpt, fmt, src: BackendSpec, backend: BackendSpec,
+                     ignored: set[str]) -> list[ModulePlan]:
+    """Each expert projection of each fused MoE block of a laid-out source, as a module (an
+    ignored block's experts dequantized)."""
     out = []
     for block, tensors in fused_moe_blocks(ckpt).items():
-        if _matches_any(block, ignore):
-            continue
         e_count, h, i = fused_moe_shape(block, tensors)
         names = _experts_suffixes(ckpt, block)
         for e in range(e_count):
@@ -568,8 +817,11 @@ def _unfused_experts(ckpt, fmt, src: BackendSpec, backend: BackendSpec, ignore) 
                 fc = "moe_fc2" if role == "down" else "moe_fc1"
                 w, s = (expert_slice(tensors[f"{fc}_{part}"], e) for part in ("weight", "scale"))
                 n, k = (h, i) if role == "down" else (i, h)
-                out.append(ModulePlan(f"{block}.{e}.{names[role]}", n, k, w, s, "relayout", backend.weight_layout,
-                                      None, fmt.kind, src.name, ExpertSlice(role, e, h, i)))
+                m = ModulePlan(f"{block}.{e}.{names[role]}", n, k, w, s, "relayout",
+                               backend.weight_layout, None, fmt.kind, src.name,
+                               ExpertSlice(role, e, h, i))
+                skip = block in ignored or m.name in ignored
+                out.append(_dequantized(m, "--ignore") if skip else m)
     return out
 
 
@@ -581,9 +833,13 @@ def _moe_tensors(layer: MoELayerPlan) -> list[TensorPlan]:
             for role, (_, dtype, shape_of) in MOE_TENSORS.items()]
 
 
-def _module_tensors(m: ModulePlan, backend: BackendSpec) -> list[TensorPlan]:
+def _module_tensors(m: ModulePlan, backend: BackendSpec,
+                    model_dtype: str = "BF16") -> list[TensorPlan]:
     c = m.k // 32
     w = f"{m.name}.weight"
+    if m.action == "dequantize":
+        return [TensorPlan(w, "dequantized", model_dtype, (m.n, m.k), DEQUANTIZED_LAYOUT,
+                           m.weight.name, m.name)]
     if m.layout == CANONICAL_LAYOUT:
         return [
             TensorPlan(w, "weight", "F8_E4M3", (m.n, m.k), CANONICAL_LAYOUT, m.weight.name, m.name),
@@ -595,6 +851,20 @@ def _module_tensors(m: ModulePlan, backend: BackendSpec) -> list[TensorPlan]:
         TensorPlan(f"{m.name}.{SWIZZLED_SUFFIX}", "weight_scale", "U8", backend.scale_shape(m.n, c),
                    backend.scale_layout, m.scale.name if m.scale else m.weight.name, m.name, (m.n, c)),
     ]
+
+
+#: config.json ``torch_dtype`` / ``dtype`` -> the safetensors dtype dequantized weights take
+MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def model_dtype(cfg: dict | None) -> str:
+    """The dtype of the model's unquantized weights (config.json), BF16 if it says none."""
+    cfg = cfg or {}
+    for c in (cfg, _text_config(cfg)):
+        for key in ("torch_dtype", "dtype"):
+            if c.get(key) in MODEL_DTYPES:
+                return MODEL_DTYPES[c[key]]
+    return "BF16"
 
 
 def _sort_key(t: TensorPlan) -> tuple[int, str]:
@@ -622,6 +892,9 @@ def build_plan(
     on_ineligible: str = "error",
     ignore: list[str] | None = None,
     moe: str = "fuse",
+    quantize_towers: bool = False,
+    allow_no_quantized: bool = False,
+    strict_ignore: bool = True,
 ) -> ConversionPlan:
     """Decide every output tensor from the source's headers.
 
@@ -630,11 +903,17 @@ def build_plan(
         backend: target backend from ``BACKENDS``.
         fmt: source format from ``formats.detect`` or ``--source-format``.
         on_ineligible: ``"error"`` (fail listing every offender) or ``"keep"`` (leave them in
-            canonical MXFP8 and record why).
-        ignore: extra module-name patterns (fnmatch) to leave untouched.
+            canonical MXFP8, or where K has no 1x32 blocks in the source's precision, and
+            record why).
+        ignore: module-name patterns (``_matches``) to leave unquantized; a quantized source's
+            ignored modules are written dequantized to the model's dtype.
         moe: ``"fuse"``: per-expert MoE weights become the fused MoE kernel's tensors where the
             backend has that layout (trtllm), else they are linears like any other; ``"keep"``:
             they stay per-expert canonical MXFP8.
+        quantize_towers: dense sources: also quantize the linears outside the language model
+            (vision/audio towers, projectors, task heads).
+        allow_no_quantized: plan a plain copy when no module would be converted.
+        strict_ignore: a pattern of ``ignore`` that matches no module is an error.
 
     Returns:
         The frozen plan.
@@ -643,36 +922,49 @@ def build_plan(
         IneligibleError: tensors (or MoE blocks) fail the backend's constraints and
             ``on_ineligible="error"``.
         LayoutError / SourceError / FormatError: malformed pairs, missing partners or experts,
-            unsupported format.
+            unsupported format, an ``ignore`` pattern matching nothing, nothing to convert.
     """
     if on_ineligible not in ("error", "keep"):
         raise FormatError(f"--on-ineligible must be 'error' or 'keep', got {on_ineligible!r}")
     if moe not in MOE_MODES:
         raise FormatError(f"--moe must be 'fuse' or 'keep', got {moe!r}")
-    cfg, hfq = ckpt.config or {}, ckpt.hf_quant_config or {}
-    ignored = fmt.ignored(cfg, hfq) + list(ignore or [])
-    modules, layers = _module_plans(ckpt, fmt, backend, list(ignore or []), on_ineligible, moe)
+    ignored = resolve_ignore(ckpt, list(ignore or []), strict=strict_ignore)
+    modules, layers, unquantized = _module_plans(ckpt, fmt, backend, ignored, on_ineligible, moe,
+                                                 quantize_towers)
+    converts = bool(layers) or any(m.action in MXFP8_ACTIONS for m in modules)
+    if not allow_no_quantized and not converts:
+        raise FormatError(f"{ckpt.root}: no module would be converted to MXFP8 ({fmt.name} source, "
+                          f"{len(unquantized)} weights left as they are)",
+                          hint="pass --allow-no-quantized to write a plain copy anyway")
+    dtype = model_dtype(ckpt.config)
     consumed: set[str] = set()
     per_shard: dict[str, list[TensorPlan]] = {rel: [] for rel in ckpt.shards}
     for m in modules:
-        per_shard[m.weight.file].extend(_module_tensors(m, backend))
+        per_shard[m.weight.file].extend(_module_tensors(m, backend, dtype))
     for layer in layers:
         per_shard[layer.shard].extend(_moe_tensors(layer))
     for m in (*modules, *(m for layer in layers for m in layer.modules)):
         consumed.update(t.name for t in (m.weight, m.scale) if t is not None)
+    quantized = fmt.kind != "dense"
+    dropped = tuple(sorted(n for n in ckpt.tensors if quantized and n.endswith(DROPPED_SUFFIXES)))
+    kv = tuple(sorted(n for n in ckpt.tensors if quantized and n.endswith(KV_SCALE_SUFFIXES)))
     for name, info in ckpt.tensors.items():
-        if name not in consumed:
+        if name not in consumed and name not in dropped:
             per_shard[info.file].append(TensorPlan(name, "passthrough", info.dtype, info.shape, "copy", name))
     shards = tuple(ShardPlan(rel, tuple(sorted(ts, key=_sort_key))) for rel, ts in sorted(per_shard.items()))
     _check_unique_names(shards, ckpt)
-    tp = marker_tp_compat(ckpt, modules, backend) if backend.laid_out else None
-    marker = quantization_config(ckpt, backend, fmt, ignored, layers, tp)
+    left = sorted({u.name for u in unquantized if u.kind not in NOT_IGNORED_KINDS}
+                  | {m.name for m in modules if m.action == "dequantize"})
+    mxfp8 = [m for m in modules if m.action in MXFP8_ACTIONS]
+    tp = marker_tp_compat(ckpt, mxfp8, backend) if backend.laid_out else None
+    marker = quantization_config(ckpt, backend, fmt, left, layers, tp, kv)
     return ConversionPlan(
         source=str(ckpt.root), backend=backend.name, format=fmt.name, shards=shards,
         modules=tuple(modules), copied_files=ckpt.other_files, marker=marker, indexed=ckpt.indexed,
         fingerprint=fingerprint(ckpt),
         kept=tuple(m.name for m in modules if m.layout == CANONICAL_LAYOUT and backend.laid_out),
-        moe=tuple(layers), moe_mode=moe,
+        moe=tuple(layers), moe_mode=moe, unquantized=tuple(unquantized), dropped=dropped,
+        kv_scales=kv, quantize_towers=quantize_towers,
     )
 
 
@@ -705,14 +997,17 @@ def moe_marker(layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...]) -> MoeMark
 def quantization_config(ckpt: SourceCheckpoint, backend: BackendSpec, fmt: FormatSpec,
                         ignored: list[str],
                         moe_layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...] = (),
-                        tp_compat: list[int] | None = None) -> dict:
+                        tp_compat: list[int] | None = None,
+                        kv_scales: tuple[str, ...] = ()) -> dict:
     """The ``quantization_config`` of the output: the marker (docs/FORMAT.md section 2), or plain
-    MXFP8's for the canonical backend."""
+    MXFP8's for the canonical backend. ``ignored``: exact names of the linear modules left
+    unquantized; ``kv_scales``: the KV-cache scales kept (their scheme goes with them)."""
     original = _original_config(ckpt)
-    if fmt.kind == "laid_out":
-        ignored = ignored + list(((ckpt.config or {}).get("quantization_config") or {}).get("ignored_layers") or [])
+    kv = None
+    if kv_scales:
+        kv = kv_cache_scheme(ckpt.config or {}, ckpt.hf_quant_config or {})
     if not backend.laid_out:
-        return canonical_config(original, ignored)
+        return canonical_config(original, ignored, kv)
     return make_marker(backend.name, dialect=fmt.name, fingerprint=fingerprint(ckpt),
                        tool_version=__version__, ignored_layers=ignored, moe=moe_marker(moe_layers),
-                       original=original, tp_compat=tp_compat).to_dict()
+                       original=original, tp_compat=tp_compat, kv_cache_scheme=kv).to_dict()

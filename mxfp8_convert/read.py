@@ -29,6 +29,10 @@ from mxfp8_convert.format import COMPLETE_MARKER, CONFIG_FILE
 from mxfp8_convert.format import INDEX_FILE as INDEX_NAME
 from mxfp8_convert.format import SINGLE_FILE as SINGLE_NAME
 
+#: files besides config.json that declare a quantization (ModelOpt, AutoAWQ, AutoGPTQ); they
+#: describe the source's format, so they are read for detection and never copied
+QUANT_FILES = ("hf_quant_config.json", "quant_config.json", "quantize_config.json")
+
 #: safetensors itself refuses headers over 100 MB; so do we, before allocating anything.
 #: The same bound holds for the index (a 1M-tensor model's index is ~100 MB).
 MAX_HEADER_BYTES = 100 * 1024 * 1024
@@ -94,6 +98,8 @@ class SourceCheckpoint:
     tensors: dict[str, TensorInfo]
     indexed: bool  # True when model.safetensors.index.json exists
     other_files: tuple[str, ...] = field(default=())
+    #: the files of ``formats.QUANT_FILES`` that exist, parsed (any JSON value)
+    quant_files: dict = field(default_factory=dict)
 
     def path(self, relpath: str) -> Path:
         return self.root / relpath
@@ -383,7 +389,12 @@ def open_checkpoint(root: str | os.PathLike) -> SourceCheckpoint:
     config, config_raw = _load_json(root, CONFIG_FILE)
     if config is not None and not isinstance(config, dict):
         raise SourceError(f"{CONFIG_FILE}: not a JSON object")
-    hfq, _ = _load_json(root, "hf_quant_config.json")
+    quant_files = {}
+    for rel in QUANT_FILES:
+        obj, raw = _load_json(root, rel)
+        if raw:
+            quant_files[rel] = obj
+    hfq = quant_files.get("hf_quant_config.json")
     names, weight_map = _shard_names(root)
     shards = {rel: read_header(root, rel) for rel in names}
     tensors: dict[str, TensorInfo] = {}
@@ -403,6 +414,7 @@ def open_checkpoint(root: str | os.PathLike) -> SourceCheckpoint:
         tensors=tensors,
         indexed=weight_map is not None,
         other_files=tuple(_other_files(root, set(shards))),
+        quant_files=quant_files,
     )
 
 
@@ -419,7 +431,7 @@ def _check_weight_map(weight_map: dict[str, str], tensors: dict[str, TensorInfo]
 
 
 #: files and folders of a model folder that are never copied to the output
-_NOT_COPIED = {INDEX_NAME, CONFIG_FILE, "hf_quant_config.json", ".cache", ".git", COMPLETE_MARKER}
+_NOT_COPIED = {INDEX_NAME, CONFIG_FILE, *QUANT_FILES, ".cache", ".git", COMPLETE_MARKER}
 
 
 def _other_files(root: Path, shards: set[str]) -> Iterator[str]:

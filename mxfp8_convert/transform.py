@@ -103,7 +103,7 @@ def canonical_module(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor | 
     if m.fused is not None:
         return (*expert_from_fused(m, weight, scale), None)
     if m.source_kind == "dense":
-        ref = weight.reshape(m.n, m.k)
+        ref = dense_weight(m, weight)
         q, s = quantize_mxfp8(ref, name=name)
         return q.view(torch.uint8), s, quantization_error(ref, q, s, name=name)
     if m.source_kind == "block_fp8":
@@ -119,6 +119,41 @@ def canonical_module(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor | 
         s = src_backend.scale_inverse(s, m.n, m.k // 32)
     check_scale_codes(s.reshape(m.n, m.k // 32), m.scale.name)
     return w, s.reshape(m.n, m.k // 32), None
+
+
+def dense_weight(m: ModulePlan, weight: torch.Tensor) -> torch.Tensor:
+    """A dense module's ``[N, K]`` weight: the tensor itself, or its expert's columns of a
+    stacked ``[K, N']`` expert slice (``plan.StackedSlice``), transposed."""
+    if m.stacked is None:
+        return weight.reshape(m.n, m.k)
+    cols = {"all": slice(None), "first": slice(0, m.n), "second": slice(m.n, 2 * m.n),
+            "even": slice(0, None, 2), "odd": slice(1, None, 2)}[m.stacked.cols]
+    return weight.reshape(m.k, -1)[:, cols].t().contiguous()
+
+
+def dequantized_module(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor,
+                       src_backend: BackendSpec | None, dtype: torch.dtype) -> torch.Tensor:
+    """A quantized source module's ``[N, K]`` values in ``dtype``: FP8 sources by their own
+    float32 math (``fl32(w) * scale``), MXFP8 ones (laid out or not) from their canonical bytes.
+
+    Raises:
+        LayoutError: NaN/Inf in the source, a bad scale (naming the tensor).
+    """
+    from mxfp8_convert.quantize import check_finite, dequantize_mxfp8
+
+    if m.source_kind in ("block_fp8", "fp8"):
+        w = weight.reshape(m.n, m.k)
+        check_finite(w, m.weight.name)
+        f = scale.to(torch.float32)
+        if m.source_kind == "block_fp8":
+            rows, cols = torch.arange(m.n) // 128, torch.arange(m.k) // 128
+            f = f[rows][:, cols]
+        else:
+            f = f.reshape(-1, 1) if f.numel() > 1 else f.reshape(())
+        return (w.to(torch.float32) * f).to(dtype)
+    q, s, _ = canonical_module(m, weight, scale, src_backend)
+    out = dequantize_mxfp8(q.reshape(m.n, m.k), s, name=m.weight.name)
+    return out.to(dtype)
 
 
 #: fused MoE tensor role -> (expert projections it is made of, in argument order; layout function)

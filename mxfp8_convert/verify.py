@@ -21,6 +21,7 @@ from pathlib import Path
 import torch
 
 from mxfp8_convert.backends import BACKENDS
+from mxfp8_convert.dtypes import torch_dtype
 from mxfp8_convert.errors import ConvertError, MarkerError, VerifyError
 from mxfp8_convert.format import (
     CANONICAL_LAYOUT,
@@ -35,7 +36,7 @@ from mxfp8_convert.format import (
     Marker,
     is_marker,
 )
-from mxfp8_convert.formats import detect
+from mxfp8_convert.formats import detect_source
 from mxfp8_convert.layouts.moe import (
     moe_fc1_scale_to_canonical,
     moe_fc1_weight_to_canonical,
@@ -47,10 +48,11 @@ from mxfp8_convert.plan import (
     MoELayerPlan,
     build_plan,
     expert_slice,
+    model_dtype,
 )
 from mxfp8_convert.quantize import quantization_error
 from mxfp8_convert.read import SourceCheckpoint, open_checkpoint, read_tensor, resolve_model
-from mxfp8_convert.transform import canonical_module
+from mxfp8_convert.transform import canonical_module, dense_weight, dequantized_module
 from mxfp8_convert.write import file_digest
 
 
@@ -104,13 +106,16 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> list[int] | None:
     return [int(i) for i in diff.nonzero()[0]]
 
 
-def verify(path: str | Path, source: str | Path | None = None, *, check_hashes: bool = True) -> VerifyReport:
+def verify(path: str | Path, source: str | Path | None = None, *, check_hashes: bool = True,
+           source_format: str | None = None) -> VerifyReport:
     """Verify a converted checkpoint (see the module docstring).
 
     Args:
         path: the output folder.
         source: the checkpoint it was made from (folder or Hub repo id), to compare bytes.
         check_hashes: recompute every file's xxh3_128 and compare with the completion marker.
+        source_format: the source's format; by default the one the output records (completion
+            marker ``source_format``, else the marker's ``source.dialect``), else detected.
 
     Returns:
         A ``VerifyReport``; ``report.ok`` is False when anything differs.
@@ -129,7 +134,7 @@ def verify(path: str | Path, source: str | Path | None = None, *, check_hashes: 
     if source is not None:
         src = open_checkpoint(resolve_model(str(source)))
         report.source = str(src.root)
-        _compare_with_source(ckpt, src, marker, records, done, report)
+        _compare_with_source(ckpt, src, marker, records, done, report, source_format)
     return report
 
 
@@ -256,16 +261,28 @@ def _moe_problem(info, rec: dict, marker: dict, records: dict[str, dict]) -> str
     return None
 
 
-def _compare_with_source(ckpt, src: SourceCheckpoint, marker, records, done, report: VerifyReport) -> None:
+def _compare_with_source(ckpt, src: SourceCheckpoint, marker, records, done, report: VerifyReport,
+                         source_format: str | None = None) -> None:
     backend = BACKENDS[report.backend]
-    fmt = detect(src.config, src.hf_quant_config, set(src.tensors))
-    # an output without fused MoE tensors was made with --moe keep, or had nothing to fuse
-    plan = build_plan(src, backend, fmt, on_ineligible="keep", moe="fuse" if marker.get("moe") else "keep")
+    recorded = done.source_format or (marker.get("source") or {}).get("dialect")
+    fmt = detect_source(src.config, src.quant_files, src.tensors, source_format or recorded)
+    # an output without fused MoE tensors was made with --moe keep, or had nothing to fuse; the
+    # modules it left unquantized (``ignored_layers``, exact names) are planned so again
+    left = [n for n in marker.get("ignored_layers") or [] if isinstance(n, str)]
+    plan = build_plan(src, backend, fmt, on_ineligible="keep",
+                      moe="fuse" if marker.get("moe") else "keep", ignore=left,
+                      strict_ignore=False, allow_no_quantized=True,
+                      quantize_towers=done.quantize_towers)
     if done.source_fingerprint != plan.fingerprint:
         report.mismatches.append(Mismatch("source", "fingerprint differs from the one recorded at conversion"))
     errors = done.quantization_errors
     covered: set[str] = set()
     for m in plan.modules:
+        if m.action == "dequantize":
+            covered.add(f"{m.name}.weight")
+            report.modules_compared += 1
+            report.mismatches.extend(_compare_dequantized(m, ckpt, src))
+            continue
         names = _output_names(m.name, ckpt)
         if names is None:
             continue  # left unconverted (e.g. --ignore): compared as pass-through below
@@ -286,6 +303,27 @@ def _compare_with_source(ckpt, src: SourceCheckpoint, marker, records, done, rep
         pos = first_difference(a, b) if a.dtype == b.dtype else []
         if pos is not None:
             report.mismatches.append(Mismatch(name, "pass-through tensor differs from the source", pos))
+
+
+def _compare_dequantized(m, ckpt, src) -> list[Mismatch]:
+    """An ignored module of a quantized source: the source's values in the model's dtype."""
+    name = f"{m.name}.weight"
+    info = ckpt.tensors.get(name)
+    want_dtype = model_dtype(src.config)
+    if info is None or info.dtype != want_dtype or tuple(info.shape) != (m.n, m.k):
+        got = f"{info.dtype} {list(info.shape)}" if info is not None else "missing"
+        return [Mismatch(name, f"dequantized weight is {got}; want {want_dtype} [{m.n}, {m.k}]")]
+    scale = read_tensor(src.root, m.scale) if m.scale is not None else None
+    src_backend = BACKENDS[m.source_backend] if m.source_backend else None
+    try:
+        want = dequantized_module(m, read_tensor(src.root, m.weight), scale, src_backend,
+                                  torch_dtype(want_dtype))
+    except ConvertError as e:
+        return [Mismatch(m.name, f"source cannot be dequantized: {e}")]
+    pos = first_difference(read_tensor(ckpt.root, info).view(torch.uint8), want.view(torch.uint8))
+    if pos is None:
+        return []
+    return [Mismatch(name, "differs from the source's dequantized values", pos)]
 
 
 def _output_names(module: str, ckpt: SourceCheckpoint) -> tuple[str, str, str] | None:
@@ -360,7 +398,8 @@ def _check_error(m, q, s, src, recorded, err) -> list[Mismatch]:
     if recorded is None:
         return [Mismatch(m.name, "requantized, but no error recorded in the completion marker")]
     if m.source_kind == "dense":
-        now = quantization_error(read_tensor(src.root, m.weight).reshape(m.n, m.k), q.view(torch.float8_e4m3fn), s)
+        ref = dense_weight(m, read_tensor(src.root, m.weight))
+        now = quantization_error(ref, q.view(torch.float8_e4m3fn), s)
     else:
         now = err  # FP8 sources: canonical_module measured it against the source's dequantized values
     if not math.isclose(now.rel_fro, recorded.get("rel_fro", -1), rel_tol=1e-6, abs_tol=1e-12):

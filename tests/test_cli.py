@@ -82,7 +82,7 @@ def test_unknown_format(capsys, src, tmp_path):
     (src / "config.json").write_text(json.dumps(cfg))
     dest = tmp_path / "o"
     assert_failed_cleanly(*run(capsys, src, "-b", "trtllm", "-o", dest), tmp_path, dest,
-                          "unsupported source format (quant_method 'awq')")
+                          "config.json: quant_method 'awq' is not supported")
 
 
 def _rewrite_tensor(src, name, new):

@@ -92,7 +92,9 @@ def test_per_channel_fp8(tmp_path):
     r = convert(src, "trtllm", tmp_path / "out", on_ineligible="keep")
     assert set(r.plan.to_dict()["modules_by_action"]) == {"lossless"}
     got, _ = load_all(tmp_path / "out")
-    assert "model.layers.0.self_attn.q_proj.input_scale" in got  # passes through untouched
+    # a static activation scale: dropped (MXFP8 activations are quantized dynamically), and said
+    assert "model.layers.0.self_attn.q_proj.input_scale" not in got
+    assert "model.layers.0.self_attn.q_proj.input_scale" in r.plan.to_dict()["dropped_tensors"]
 
 
 def test_dense_bf16_is_quantized_with_flashinfer_recipe(tmp_path):

@@ -93,6 +93,8 @@ def convert_cmd(
     workers: Annotated[int, typer.Option("--workers", help="Shards converted in parallel on this machine.")] = 1,
     max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory budget for the workers, e.g. 8GiB (fewer workers run if needed).")] = None,
     moe: Annotated[str, typer.Option("--moe", help="Per-expert MoE weights (experts.<e>.{gate,up,down}_proj, w1/w3/w2). fuse: for trtllm, into the fused MoE kernel's [E, 2I, H] and [E, H, I] tensors (other backends: linears like any other); keep: leave them per-expert canonical MXFP8.")] = "fuse",
+    quantize_towers: Annotated[bool, typer.Option("--quantize-towers", help="Dense sources: also quantize the linear layers outside the language model (vision/audio towers, projectors, task heads).")] = False,
+    allow_no_quantized: Annotated[bool, typer.Option("--allow-no-quantized", help="Write a plain copy when no module would be converted (otherwise an error).")] = False,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -125,7 +127,8 @@ def convert_cmd(
                          source_format=source_format, on_ineligible=on_ineligible, ignore=ignore,
                          revision=revision, fresh=fresh, hub_repo_id=push_to_hub, progress=on_progress,
                          part=(part, num_parts) if num_parts is not None else None, workers=workers,
-                         max_memory=budget, moe=moe)
+                         max_memory=budget, moe=moe, quantize_towers=quantize_towers,
+                         allow_no_quantized=allow_no_quantized)
     doc = result.to_dict()
     if push_to_hub is not None:
         with handle_errors(out, debug=debug):
@@ -189,14 +192,19 @@ def _render_convert(console, result, push: dict | None = None) -> None:
         console.print(f"Part {i} of {n} done ({human_bytes(result.bytes_written)} in {result.seconds:.2f} s); "
                       "run `mxfp8-convert finalize OUT` once every part has run.")
         return
-    rows = [[m.name, f"{m.n}x{m.k}", m.action, m.layout + (f" ({m.reason})" if m.reason else "")]
+    rows = [[m.name, f"{m.n}x{m.k}", m.action, m.layout + (f" ({m.reason})" if m.reason else ""), m.decided_by]
             for m in plan.modules]
     if result.dry_run:
-        console.print(table(f"Plan: {plan.format} -> {plan.backend}", ["module", "N x K", "action", "layout"], rows))
+        console.print(table(f"Plan: {plan.format} -> {plan.backend}",
+                            ["module", "N x K", "action", "layout", "decided by"], rows))
         if plan.moe:
             console.print(table("Fused MoE blocks", ["block", "experts", "H", "I", "action", "shard"],
                                 [[m.name, m.experts, m.hidden, m.intermediate, m.gate[0].action, m.shard]
                                  for m in plan.moe]))
+        if plan.unquantized:
+            console.print(table("Left as they are", ["weight", "shape", "kind", "decided by", "why"],
+                                [[u.name, "x".join(map(str, u.shape)), u.kind, u.decided_by, u.why]
+                                 for u in plan.unquantized]))
         console.print(table("Shards", ["file", "tensors", "bytes"],
                             [[s.name, len(s.tensors), human_bytes(s.nbytes)] for s in plan.shards]))
         console.print(f"Dry run: nothing written. Output would be {result.output}")
@@ -218,6 +226,7 @@ def _render_convert(console, result, push: dict | None = None) -> None:
                         + "; ".join(f"E={e}, H={h}, I={i}" for e, h, i in sizes) + ")"])
     if plan.kept:
         summary.append(["kept canonical", _kept_summary(plan.kept)])
+    summary += _left_summary(plan)
     if result.quantization_errors:
         worst = min(result.quantization_errors.items(), key=lambda kv: kv[1]["sqnr_db"])
         summary.append(["requantized", f"{len(result.quantization_errors)} modules; worst SQNR "
@@ -225,6 +234,37 @@ def _render_convert(console, result, push: dict | None = None) -> None:
     if push:
         summary.append(["pushed", f"{push['repo_id']} ({push['commit_url']})"])
     console.print(table("Converted", ["", ""], summary))
+
+
+def _left_summary(plan) -> list[list[str]]:
+    """Summary rows: weights left unquantized (by kind), dequantized modules, stacked experts,
+    dropped activation scales and kept KV-cache scales."""
+    rows = []
+    kinds: dict[str, int] = {}
+    for u in plan.unquantized:
+        if u.kind != "other":
+            kinds[u.kind] = kinds.get(u.kind, 0) + 1
+    if kinds:
+        how = sorted({u.decided_by for u in plan.unquantized if u.kind != "other"})
+        rows.append(["left unquantized", ", ".join(f"{n} {k}" for k, n in sorted(kinds.items()))
+                     + f" (decided by {'/'.join(how)})"])
+    stacked = [u for u in plan.unquantized if u.kind == "stacked_experts"]
+    if stacked:
+        rows.append(["stacked experts", f"{len(stacked)} tensors NOT quantized: {stacked[0].why}"])
+    split = sorted({m.name.rsplit(".", 2)[0] for m in plan.modules if m.stacked is not None}
+                   | {layer.name for layer in plan.moe if layer.gate[0].stacked is not None})
+    if split:
+        rows.append(["stacked experts", f"{len(split)} blocks quantized per expert ({split[0]}, ...)"])
+    deq = [m.name for m in plan.modules if m.action == "dequantize"]
+    if deq:
+        rows.append(["dequantized", f"{len(deq)} modules written in the model's dtype ({deq[0]}, ...)"])
+    if plan.dropped:
+        rows.append(["dropped", f"{len(plan.dropped)} static activation scales (input_scale): "
+                     "MXFP8 activations are quantized dynamically"])
+    if plan.kv_scales:
+        rows.append(["KV-cache scales", f"{len(plan.kv_scales)} kept (kv_cache_scheme "
+                     f"{plan.marker.get('kv_cache_scheme')})"])
+    return rows
 
 
 def _kept_summary(kept: tuple[str, ...]) -> str:
@@ -247,6 +287,7 @@ def verify_cmd(
     path: Annotated[str, typer.Argument(metavar="OUT", help="A folder written by mxfp8-convert.")],
     source: Annotated[str | None, typer.Option("--source", help="The checkpoint it was converted from: invert every layout and compare bytes.")] = None,
     no_hashes: Annotated[bool, typer.Option("--no-hashes", help="Skip re-hashing every file.")] = False,
+    source_format: Annotated[str | None, typer.Option("--source-format", help="The source's format [default: the one the output records].")] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -257,7 +298,7 @@ def verify_cmd(
 
     out = Output(as_json=as_json, quiet=quiet)
     with handle_errors(out, debug=debug):
-        report = verify(path, source, check_hashes=not no_hashes)
+        report = verify(path, source, check_hashes=not no_hashes, source_format=source_format)
     out.result(report.to_dict(), lambda console: _render_verify(console, report))
     if not report.ok:
         first = report.mismatches[0]

@@ -1,0 +1,272 @@
+"""Which tensors of a dense checkpoint are linear weights, and of which part of the model.
+
+Decided from the architecture where it can be built: transformers (an optional dependency,
+``pip install mxfp8-convert[transformers]``) builds the model that config.json names on the
+meta device (no weight is allocated, no remote code is run), and every checkpoint tensor is
+mapped to the module that owns it with transformers' own checkpoint renamings. A tensor is a
+linear weight when its module is an ``nn.Linear`` (or an expert of a MoE experts module); it is
+quantized by default only inside the language model (``get_decoder()``), never when it is the
+output projection, a router or a gate (a linear of one output, or of one output per expert).
+Name rules (``NameRules``) decide only where the architecture cannot be built (no
+transformers, a ``model_type`` it does not know, a config it rejects) or does not have the
+tensor; every decision says which way it was made.
+"""
+
+from __future__ import annotations
+
+import re
+from contextlib import contextmanager
+from dataclasses import dataclass
+
+#: what a checkpoint weight is; ``QUANTIZED_KINDS`` are quantized by default
+KINDS = {
+    "linear": "a linear layer of the language model",
+    "expert": "an expert projection of a MoE block",
+    "stacked_experts": "the experts of a MoE block stacked in one 3-D tensor",
+    "outside": "a linear layer outside the language model (vision/audio tower, projector, head)",
+    "head": "the output projection (lm_head)",
+    "router": "a MoE router or a gate",
+    "other": "not a linear layer (embedding, norm, convolution, ...)",
+}
+QUANTIZED_KINDS = ("linear", "expert")
+#: config keys that hold the number of routed experts (Qwen-MoE, Mixtral/Llama-4/gpt-oss, DeepSeek)
+EXPERT_COUNT_KEYS = ("num_experts", "num_local_experts", "n_routed_experts", "moe_num_experts")
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """What one checkpoint weight is: ``kind`` (a key of ``KINDS``), ``basis`` (``architecture``
+    or ``names``) and ``why`` (the module class or the rule, in a few words)."""
+
+    kind: str
+    basis: str
+    why: str
+
+    @property
+    def quantized(self) -> bool:
+        return self.kind in QUANTIZED_KINDS
+
+    def to_dict(self) -> dict:
+        return {"kind": self.kind, "decided_by": self.basis, "why": self.why}
+
+
+# --- name rules: only where the architecture cannot be built ---------------------------------
+
+#: last name component of modules that are not linear layers whatever their shape
+_NOT_LINEAR = re.compile(r"embed|(^|_)(wte|wpe)$|norm|^ln(_|$)")
+#: the output projection
+_HEAD = re.compile(r"^(lm_head|output|score|classifier|embed_out)$")
+#: routers and gates (``mlp.gate``, ``shared_expert_gate``; not ``gate_proj``)
+_ROUTER = re.compile(r"(^|_)(gate|router)$")
+#: name components of vision/audio towers and multimodal projectors (Qwen2-VL ``visual``,
+#: LLaVA ``vision_tower`` / ``multi_modal_projector``, Llama-4 ``vision_model``, Whisper-style
+#: ``audio_tower``, Qwen2-VL ``merger``)
+_TOWER = re.compile(
+    r"^(visual|vision|vision_tower|vision_model|vision_encoder|image_encoder|audio|audio_tower|"
+    r"audio_model|audio_encoder|multi_modal_projector|mm_projector|merger|vision_projection)$"
+)
+_EXPERT = re.compile(r"\.experts\.\d+\.")
+
+
+@dataclass(frozen=True, slots=True)
+class NameRules:
+    """The fallback: decide from names and shapes; ``reason`` says why the architecture was
+    not used."""
+
+    reason: str
+    experts: int = 0
+
+    @property
+    def basis(self) -> str:
+        return "names"
+
+    def decide(self, tensor: str, shape: tuple[int, ...]) -> Decision:
+        """What checkpoint tensor ``tensor`` (``P.weight``, or a stacked ``P``) is."""
+        module = tensor[: -len(".weight")] if tensor.endswith(".weight") else tensor
+        parts = module.split(".")
+        last = parts[-1]
+        why = f"name rules ({self.reason})"
+        if _NOT_LINEAR.search(last):
+            return Decision("other", "names", why)
+        if _HEAD.match(last):
+            return Decision("head", "names", why)
+        if len(shape) == 3:
+            return Decision("stacked_experts", "names", why)
+        if len(shape) != 2:
+            return Decision("other", "names", why)
+        if _ROUTER.search(last) or shape[0] == 1 or (self.experts and shape[0] == self.experts):
+            return Decision("router", "names", why)
+        if any(_TOWER.match(p) for p in parts[:-1]):
+            return Decision("outside", "names", why)
+        return Decision("expert" if _EXPERT.search(f".{module}.") else "linear", "names", why)
+
+
+# --- the architecture, built by transformers on the meta device ------------------------------
+
+
+def _expert_count(config: dict) -> int:
+    for cfg in (config, config.get("text_config") or {}):
+        for key in EXPERT_COUNT_KEYS:
+            if isinstance(cfg.get(key), int) and cfg[key] > 0:
+                return cfg[key]
+    return 0
+
+
+class ModelArchitecture:
+    """The modules of the model config.json describes, and how checkpoint names map onto them."""
+
+    basis = "architecture"
+
+    def __init__(self, model, config: dict) -> None:
+        import torch.nn as nn
+
+        self.arch = type(model).__name__
+        self.experts = _expert_count(config)
+        self.fallback = NameRules(f"not a parameter of {self.arch}", self.experts)
+        modules = dict(model.named_modules())
+        self.params: dict[str, tuple[tuple[int, ...], object]] = {}
+        for mname, mod in modules.items():
+            for pname, p in mod.named_parameters(recurse=False):
+                self.params[f"{mname}.{pname}" if mname else pname] = (tuple(p.shape), mod)
+        self.linear = nn.Linear
+        self.lm = _language_model_prefix(model, modules)
+        out = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+        self.head = next((n for n, m in modules.items() if out is not None and m is out), None)
+        self.rename = _renamer(model, self.params)
+
+    def _owner(self, key: str) -> tuple[str, tuple[int, ...], object] | None:
+        mk = self.rename(key)
+        if mk in self.params:
+            return (mk, *self.params[mk])
+        hits = [k for k in self.params if k.endswith("." + key) or key.endswith("." + k)]
+        return (hits[0], *self.params[hits[0]]) if len(hits) == 1 else None
+
+    def decide(self, tensor: str, shape: tuple[int, ...]) -> Decision:
+        """What checkpoint tensor ``tensor`` (``P.weight``, or a stacked ``P``) is."""
+        found = self._owner(tensor)
+        if found is None:
+            return self.fallback.decide(tensor, shape)
+        key, pshape, mod = found
+        owner = key.rsplit(".", 1)[0] if "." in key else ""
+        cls = type(mod).__name__
+        inside = self.lm == "" or owner == self.lm or owner.startswith(self.lm + ".")
+        if isinstance(mod, self.linear) and key.endswith(".weight"):
+            if tuple(shape) != pshape:
+                return NameRules(
+                    f"shape {list(shape)} is not {self.arch}'s {list(pshape)}", self.experts
+                ).decide(tensor, shape)
+            if owner == self.head:
+                return Decision("head", "architecture", f"{cls} {owner}: the output projection")
+            if mod.out_features == 1 or (self.experts and mod.out_features == self.experts):
+                return Decision(
+                    "router", "architecture", f"{cls} with {mod.out_features} output(s): a gate"
+                )
+            if not inside:
+                return Decision(
+                    "outside", "architecture", f"{cls} outside the language model ({self.lm})"
+                )
+            return Decision("linear", "architecture", f"{cls} of {self.arch}")
+        if len(pshape) == 3 and len(shape) in (2, 3):
+            kind = "expert" if len(shape) == 2 else "stacked_experts"
+            if not inside:
+                kind = "outside"
+            return Decision(kind, "architecture", f"{cls} {key.rsplit('.', 1)[-1]} {list(pshape)}")
+        kind = "router" if re.search("router|gate", cls, re.IGNORECASE) else "other"
+        return Decision(kind, "architecture", cls)
+
+
+def _language_model_prefix(model, modules: dict) -> str:
+    """Module path of the language model: ``get_decoder()`` where it is a proper submodule
+    (Qwen2-VL ``model.language_model``), else the whole model (decoders, encoder-decoders)."""
+    if getattr(model.config, "is_encoder_decoder", False) or not hasattr(model, "get_decoder"):
+        return ""
+    try:
+        dec = model.get_decoder()
+    except (AttributeError, NotImplementedError, TypeError):
+        return ""
+    return next((n for n, m in modules.items() if m is dec), "")
+
+
+def _renamer(model, params: dict):
+    """checkpoint key -> model key, with transformers' own conversion mapping (the renamings
+    and expert merges ``from_pretrained`` applies); identity where that API is missing."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import (
+            WeightConverter,
+            WeightRenaming,
+            rename_source_key,
+        )
+    except ImportError:
+        return lambda key: key
+    transforms = get_model_conversion_mapping(model) or []
+    renamings = [t for t in transforms if isinstance(t, WeightRenaming)]
+    converters = [t for t in transforms if isinstance(t, WeightConverter)]
+    meta = dict.fromkeys(params, True)
+    prefix = getattr(model, "base_model_prefix", None) or None
+
+    def rename(key: str) -> str:
+        return rename_source_key(key, renamings, converters, prefix, meta)[0]
+
+    return rename
+
+
+@contextmanager
+def _quiet(transformers):
+    level = transformers.logging.get_verbosity()
+    transformers.logging.set_verbosity_error()
+    try:
+        yield
+    finally:
+        transformers.logging.set_verbosity(level)
+
+
+def architecture(config: dict | None) -> ModelArchitecture | NameRules:
+    """The model config.json describes, built on the meta device, or the name rules (with the
+    reason) where it cannot be built. Never runs remote code."""
+    if not isinstance(config, dict) or not config:
+        return NameRules("no config.json")
+    experts = _expert_count(config)
+    try:
+        import torch
+        import transformers
+        from transformers import AutoConfig
+        from transformers.models.auto.configuration_auto import CONFIG_MAPPING
+    except ImportError:
+        return NameRules("transformers is not installed", experts)
+    model_type = config.get("model_type")
+    if not isinstance(model_type, str) or model_type not in CONFIG_MAPPING:
+        return NameRules(
+            f"model_type {model_type!r} unknown to transformers {transformers.__version__}", experts
+        )
+    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
+    with _quiet(transformers):
+        try:
+            cfg = AutoConfig.for_model(model_type, **kwargs)
+            cls = _model_class(transformers, config, cfg)
+            with torch.device("meta"):
+                model = cls(cfg)
+        except Exception as e:  # noqa: BLE001 - any config transformers rejects: say so, use names
+            return NameRules(
+                f"transformers cannot build {model_type!r}: {type(e).__name__}", experts
+            )
+    return ModelArchitecture(model, config)
+
+
+def _model_class(transformers, config: dict, cfg):
+    """The class ``architectures`` names (a transformers model class), else the causal-LM or
+    base model class of the config."""
+    from transformers import PreTrainedModel
+
+    for name in config.get("architectures") or []:
+        try:
+            cls = getattr(transformers, name) if isinstance(name, str) else None
+        except (AttributeError, ImportError):  # not a transformers class, or its deps missing
+            cls = None
+        if isinstance(cls, type) and issubclass(cls, PreTrainedModel):
+            return cls
+    for auto in (transformers.AutoModelForCausalLM, transformers.AutoModel):
+        mapping = auto._model_mapping
+        if type(cfg) in mapping:
+            return mapping[type(cfg)]
+    raise ValueError(f"no transformers model class for {type(cfg).__name__}")
