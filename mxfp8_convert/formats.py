@@ -315,7 +315,7 @@ def _detect_by_tensors(infos: dict) -> FormatSpec:
                 return FORMATS_BY_NAME[fp if blocks else "fp8"]
         if info is not None:
             raise FormatError(f"tensor {name!r} is float8_e4m3fn but has no weight_scale or "
-                              "weight_scale_inv, and no config declares a quantization")
+                              f"{CANONICAL_SUFFIX}, and no config declares a quantization")
     return FORMATS_BY_NAME["dense"]
 
 

@@ -56,6 +56,7 @@ TRTLLM_MARKER = {
         "layers": ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"],
     },
     "tp_compat": [1, 2, 4, 8],
+    "kv_cache_scheme": None,
     "original_quantization_config": {"quant_method": "mxfp8", "weight_block_size": [1, 32]},
 }
 CUTLASS_MARKER = {**copy.deepcopy(TRTLLM_MARKER), "backend": "cutlass", "weight_layout": "identity",
@@ -64,6 +65,7 @@ CUTLASS_MARKER = {**copy.deepcopy(TRTLLM_MARKER), "backend": "cutlass", "weight_
 COMPLETION = {
     "format_version": 2, "backend": "trtllm", "tool_version": "0.1.0",
     "source_fingerprint": "sha256:" + "cd" * 32,
+    "source_format": "sglang_mxfp8", "quantize_towers": False,
     "quantization_errors": {"model.layers.0.mlp.up_proj": {"action": "requantize", "rel_fro": 0.035,
                                                             "sqnr_db": 29.1}},
     "files": {"model-00001-of-00002.safetensors": {"size": 123, "xxh3_128": "0123456789abcdef" * 2},
@@ -172,8 +174,13 @@ def test_canonical_config_is_plain_sglang_mxfp8():
     assert canonical_config(None, ["lm_head", "b", "lm_head"]) == {
         "quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
         "activation_scheme": "dynamic", "ignored_layers": ["b", "lm_head"]}
-    own = {"quant_method": "mxfp8", "weight_block_size": [1, 32], "x": 1}
+    own = {"quant_method": "mxfp8", "weight_block_size": [1, 32], "x": 1, "ignored_layers": ["lm_head"]}
     assert canonical_config(own, ["lm_head"]) is own
+    # an SGLang source's config comes back with the exact modules this output leaves unquantized
+    assert canonical_config(own, ["lm_head", "model.layers.0.mlp.down_proj"]) == {
+        **own, "ignored_layers": ["lm_head", "model.layers.0.mlp.down_proj"]}
+    kv = {"num_bits": 8, "type": "float", "strategy": "tensor", "dynamic": False, "symmetric": True}
+    assert canonical_config(None, [], kv)["kv_cache_scheme"] == kv
 
 
 def test_completion_parses_and_writes_back_the_same_dict():
