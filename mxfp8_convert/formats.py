@@ -211,7 +211,7 @@ def detect_source(config: dict | None, quant_files: dict[str, object], tensors,
             spec = _detect_by_tensors(infos)
     problem = evidence_problem(spec, infos)
     if problem is not None:
-        raise FormatError(f"{spec.name}: {problem}",
+        raise FormatError(problem,
                           hint="the config and the tensors disagree; nothing was converted")
     return spec
 
@@ -333,22 +333,24 @@ def evidence_problem(spec: FormatSpec, infos: dict) -> str | None:
     if spec.kind == "dense":
         if f8:
             name = min(f8)
-            return f"tensor {name!r} is {f8[name].dtype}; a dense checkpoint holds no float8 weight"
+            return (f"{f8[name].file}: tensor {name!r} is {f8[name].dtype}; a dense checkpoint "
+                    "holds no float8 weight")
         return None
     want = UE8M0_DTYPES if spec.kind == "mxfp8" else FLOAT_DTYPES
-    wanted = "U8/F8_E8M0" if spec.kind == "mxfp8" else "floating point"
+    wanted = "U8 or F8_E8M0" if spec.kind == "mxfp8" else "floating point"
+    kind = "MXFP8" if spec.kind == "mxfp8" else "FP8"
     found = 0
     for name, info in sorted(f8.items()):
         s = _scale_of(infos, name, spec.scale_suffix)
         if s is None:
             continue
         if s.dtype not in want or info.dtype != "F8_E4M3":
-            return (f"scale {s.name!r} is {s.dtype} beside {info.dtype} weight {name!r}; "
-                    f"{spec.description} stores float8_e4m3fn weights with {wanted} scales")
+            return (f"{s.file}: scale {s.name!r} has dtype {s.dtype}; {kind} scales are {wanted} "
+                    f"(weight {name!r} is {info.dtype}; the source declares {spec.description})")
         found += 1
     if not found:
         dtypes = sorted({i.dtype for n, i in infos.items() if n.endswith(".weight")})
-        return (f"no float8_e4m3fn weight with a {spec.scale_suffix} scale (weights are "
+        return (f"{spec.name}: no float8_e4m3fn weight with a {spec.scale_suffix} scale (weights are "
                 f"{', '.join(dtypes) or 'absent'}); the checkpoint is not {spec.description}")
     return None
 
