@@ -167,13 +167,36 @@ def _open_regular(root: Path, rel: str, *, what: str):
         raise _fail(rel, "file not found") from None
     except (OSError, ValueError) as e:
         raise _fail(rel, f"cannot be opened ({_reason(e)})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (pipe, socket or device)"
+        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (pipe, socket or device)"
         raise _fail(rel, f"is {kind}, not a {'safetensors' if what == 'shard' else 'regular'} file")
+    try:  # what was opened is what was checked: the path, checked again, still names this file
+        same = os.path.samestat(os.stat(safe_child(root, rel, what=what)), st)
+    except OSError:
+        same = False
+    except SourceError:
+        os.close(fd)
+        raise
+    if not same:
+        os.close(fd)
+        raise _fail(rel, "changed while it was being opened (replaced or relinked)")
     f = os.fdopen(fd, "rb")
-    return f, os.fstat(fd).st_size
+    return f, st.st_size
+
+
+def open_source_file(root: Path, rel: str):
+    """Open file ``rel`` of the model folder for copying, checked as it is opened: a regular
+    file (a FIFO is refused without waiting), inside the folder (or the Hub cache's blobs).
+
+    Returns ``(binary file object, os.stat_result)``.
+
+    Raises:
+        SourceError: naming the file.
+    """
+    f, _ = _open_regular(root, rel, what="file")
+    return f, os.fstat(f.fileno())
 
 
 class _Pairs(dict):
