@@ -48,10 +48,12 @@ from mxfp8_convert.publish import CARD_NAME, write_model_card
 from mxfp8_convert.read import (
     ShardReader,
     SourceCheckpoint,
+    check_source_unchanged,
     chunk_ranges,
     open_checkpoint,
     open_source_file,
     resolve_model,
+    watch_source,
 )
 from mxfp8_convert.transform import (
     MOE_FUSE,
@@ -239,7 +241,7 @@ def convert(
         n_workers = _workers(plan, workers, max_memory)
         if _computes(plan):
             import torch  # noqa: F401 - now, so that _compute_threads can set its threads
-        with _compute_threads(n_workers):
+        with _compute_threads(n_workers), watch_source():
             files = executor.write_shards(shards, workers=n_workers)
         if part is not None:
             staging.suspend()  # `finalize` gathers the parts
@@ -491,6 +493,7 @@ class _Executor:
         return sum(f["size"] for f in files.values())
 
     def _advance(self, n: int, shard: str, tensor: str | None) -> None:
+        check_source_unchanged()  # workers stop too when another process changes a source shard
         with self._lock:
             self.done += n
             done = self.done

@@ -171,6 +171,15 @@ CHILD = textwrap.dedent(r"""
             pause()
             return real_shard(self, shard)
         conv._Executor._write_shard = write_shard
+    elif point == "reading":  # a source shard is open and mapped
+        reader = sys.modules["mxfp8_convert.read"].ShardReader
+        real_bytes = reader.bytes
+        def read_bytes(self, *a):
+            if not getattr(read_bytes, "done", False):
+                read_bytes.done = True
+                pause()
+            return real_bytes(self, *a)
+        reader.bytes = read_bytes
     elif point == "parsing":
         real_app = cli.app
         def app(*a, **kw):
@@ -511,7 +520,28 @@ def test_failed_part_leaves_no_half_written_shard(world, tmp_path):
     assert not (work(out) / "model-00002-of-00003.safetensors").exists()
 
 
-# --- 10. signals anywhere, file modes, finalize from elsewhere ----------------------------------
+# --- 10. signals anywhere, a source truncated under the mapping, file modes, finalize ------------
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="read leases are Linux's")
+def test_source_shard_truncated_while_mapped_names_the_file(world, tmp_path):
+    """Another process truncates the shard being read: no SIGBUS (exit 135, no message) but one
+    line naming the file, exit 1, nothing left; the other process's truncate goes through."""
+    import threading
+
+    src, decoy, out, state = world
+    child = Child(tmp_path, "reading", *_args(src, out))
+    child.wait_ready()
+    shard = src / SHARD1
+    done = threading.Event()
+    threading.Thread(target=lambda: (os.truncate(shard, 4096), done.set()), daemon=True).start()
+    done.wait(10)  # with the lease the truncate waits for the converter to let go
+    code, _, err = child.go()
+    assert code == 1 and "Traceback" not in err, (code, err)
+    assert err.strip().splitlines()[0] == (f"Error: {SHARD1}: another process opened this source shard for writing "
+                                           "or truncated it during the conversion"), err
+    assert done.wait(60) and shard.stat().st_size == 4096
+    assert not out.exists() and leftovers(tmp_path) == []
 
 
 @pytest.mark.parametrize("point", ["parsing", "first-manifest", "printing"])
