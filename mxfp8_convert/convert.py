@@ -228,15 +228,15 @@ def convert(
     modes = _Modes.of(ckpt, plan)
     # parts record the source resolved, so `finalize` finds it from any working directory
     staging = Staging(dest, params, fresh=fresh, part=part, source=os.path.abspath(ckpt.root),
-                      owned={s.name for s in shards} if part is not None else None, overwrite=overwrite,
-                      writes=output_names(ckpt, plan), dir_mode=modes.folder)
+                      owned={s.name for s in shards} if part is not None else None,
+                      overwrite=overwrite, writes=output_names(ckpt, plan), dir_mode=modes.folder)
     try:
         _check_free_space(dest, ckpt, plan, shards if part is not None else None, staging)
     except BaseException:
         staging.suspend() if staging.files else staging.abort()
         raise
-    executor = _Executor(ckpt, plan, get_backend(backend), staging, progress or (lambda e: None), hub_repo_id,
-                         modes)
+    executor = _Executor(ckpt, plan, get_backend(backend), staging, progress or (lambda e: None),
+                         hub_repo_id, modes)
     try:
         n_workers = _workers(plan, workers, max_memory)
         if _computes(plan):
@@ -272,12 +272,12 @@ def _suspend_full(staging: Staging, e: DiskFullError) -> None:
         return
     staging.discard_unfinished()  # e.g. the side files: cheap to redo, and not listed
     staging.suspend()
-    e.hint = (f"free disk space and rerun the same command: it resumes, keeping the {len(staging.files)} "
-              f"finished file(s) in {staging.path}")
+    e.hint = (f"free disk space and rerun the same command: it resumes, keeping the "
+              f"{len(staging.files)} finished file(s) in {staging.path}")
 
 
-def _check_free_space(dest: Path, ckpt: SourceCheckpoint, plan: ConversionPlan, shards: list[ShardPlan] | None,
-                      staging: Staging) -> None:
+def _check_free_space(dest: Path, ckpt: SourceCheckpoint, plan: ConversionPlan,
+                      shards: list[ShardPlan] | None, staging: Staging) -> None:
     """Room for what is left to write: the files an interrupted run finished count as written."""
     if shards is None:
         need = plan.nbytes + sum(ckpt.path(f).stat().st_size for f in plan.copied_files) + (1 << 20)
@@ -315,7 +315,8 @@ class _Modes:
                 return 0o644
         per_file = {name: mode(name) & 0o644 for name in ckpt.shards}
         generated = 0o644
-        for m in (*per_file.values(), mode("config.json") if (ckpt.root / "config.json").exists() else 0o644):
+        config = mode(CONFIG_FILE) if (ckpt.root / CONFIG_FILE).exists() else 0o644
+        for m in (*per_file.values(), config):
             generated &= m
         shards = {}
         for shard in plan.shards:
@@ -481,14 +482,16 @@ class _Executor:
         for rel in self.plan.copied_files:
             src, st = open_source_file(self.ckpt.root, rel)  # checked now, as it is opened
             with src:
-                files[rel] = file_record(*copy_file(src, self.out / rel, mode=stat.S_IMODE(st.st_mode)))
+                mode = stat.S_IMODE(st.st_mode)
+                files[rel] = file_record(*copy_file(src, self.out / rel, mode=mode))
         for rel, obj in _json_files(self.ckpt, self.plan).items():
             files[rel] = file_record(*write_json(self.out / rel, obj, mode=self.modes.generated))
         files[CARD_NAME] = file_record(*write_model_card(  # replaces the copied source README
-            self.out, self.ckpt.root, repo_id=self.hub_repo_id, completion=self.completion_record({}),
-            mode=self.modes.generated))
+            self.out, self.ckpt.root, repo_id=self.hub_repo_id,
+            completion=self.completion_record({}), mode=self.modes.generated))
         fsync_paths([self.out / s.name for s in self.plan.shards])  # durable before "complete"
-        write_json(self.out / COMPLETE_MARKER, self.completion_record(files), mode=self.modes.generated)
+        write_json(self.out / COMPLETE_MARKER, self.completion_record(files),
+                   mode=self.modes.generated)
         self.emit(ProgressEvent("done", bytes_done=self.plan.nbytes, bytes_total=self.plan.nbytes))
         return sum(f["size"] for f in files.values())
 
@@ -537,7 +540,8 @@ class _Executor:
         self._local.readers, self._local.pending = {}, {}
         self._local.pool = BufferPool(CHUNK_BYTES, PIPELINE_DEPTH + 2)  # queued + in hand
         writer = ShardWriter(self.out / shard.name, entries, _shard_metadata(self.ckpt, self.plan, shard),
-                             depth=PIPELINE_DEPTH, mode=self.modes.shards.get(shard.name, self.modes.generated))
+                             depth=PIPELINE_DEPTH,
+                             mode=self.modes.shards.get(shard.name, self.modes.generated))
         try:
             for t in shard.tensors:
                 for n in self._produce(t, writer):

@@ -174,7 +174,8 @@ def _open_regular(root: Path, rel: str, *, what: str):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(st.st_mode) else "not a regular file (pipe, socket or device)"
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode)
+                else "not a regular file (pipe, socket or device)")
         raise _fail(rel, f"is {kind}, not a {'safetensors' if what == 'shard' else 'regular'} file")
     try:  # what was opened is what was checked: the path, checked again, still names this file
         same = os.path.samestat(os.stat(safe_child(root, rel, what=what)), st)
@@ -549,8 +550,8 @@ class _Watch:
 
 
 def source_changed(rel: str) -> SourceError:
-    return SourceError(f"{rel}: another process opened this source shard for writing or truncated it "
-                       "during the conversion", hint="rerun once nothing else writes the source")
+    return SourceError(f"{rel}: another process opened this source shard for writing or truncated "
+                       "it during the conversion", hint="rerun once nothing else writes the source")
 
 
 def check_source_unchanged() -> None:
@@ -570,7 +571,8 @@ def watch_source() -> Iterator[None]:
     Only in the main thread of the process (where a signal handler can be set) and on Linux;
     a no-op elsewhere.
     """
-    if _F_SETLEASE is None or threading.current_thread() is not threading.main_thread() or _Watch.active:
+    main = threading.current_thread() is threading.main_thread()
+    if _F_SETLEASE is None or not main or _Watch.active:
         yield
         return
     previous = signal.signal(signal.SIGIO, _Watch.on_sigio)

@@ -69,7 +69,8 @@ def _as_memoryview(data: torch.Tensor | bytes | memoryview) -> memoryview:
 def os_error(path: Path, e: OSError) -> OutputError:
     """One line for a write failure, naming the file; a full disk gets its own type and hint."""
     if e.errno in (errno.ENOSPC, getattr(errno, "EDQUOT", errno.ENOSPC)):
-        return DiskFullError(f"{path}: no space left on device", hint="free disk space or choose another -o")
+        return DiskFullError(f"{path}: no space left on device",
+                             hint="free disk space or choose another -o")
     return OutputError(f"{path}: {e.strerror or e}")
 
 
@@ -281,7 +282,8 @@ def _real_dirs(folder: Path, root: Path | None) -> None:
             os.mkdir(p, DIR_MODE)
         except FileExistsError:
             if not stat.S_ISDIR(os.lstat(p).st_mode):
-                raise OSError(errno.ENOTDIR, "exists and is not a real folder (a link?)", str(p)) from None
+                raise OSError(errno.ENOTDIR, "exists and is not a real folder (a link?)",
+                              str(p)) from None
 
 
 def create_file(path: Path, mode: int = FILE_MODE) -> int:
@@ -396,9 +398,10 @@ def check_destination(dest: Path, source: Path, *, overwrite: bool, part: int | 
     limit = _name_max(dest.parent)
     if longest > limit:
         room = limit - (longest - len(os.fsencode(dest.name)))
-        raise OutputError(f"{dest}: the folder name is {len(os.fsencode(dest.name))} bytes; with the work "
-                          f"folders beside it (.NAME{PARTIAL_SUFFIX}, .NAME{OLD_INFIX}*) at most {room} fit",
-                          hint="choose a shorter -o")
+        size = len(os.fsencode(dest.name))
+        raise OutputError(f"{dest}: the folder name is {size} bytes; with the "
+                          f"work folders beside it (.NAME{PARTIAL_SUFFIX}, .NAME{OLD_INFIX}*) "
+                          f"at most {room} fit", hint="choose a shorter -o")
     if exists and os.path.lexists(dest):
         replace_check(dest, overwrite=overwrite)
 
@@ -452,8 +455,8 @@ def _manifests(folder: Path) -> list[str]:
         names = os.listdir(folder)
     except OSError:
         return []
-    return sorted(n for n in names if n.startswith(PARTIAL_MANIFEST_PREFIX) and n.endswith((".json", ".json.tmp"))
-                  and _regular(folder / n))
+    return sorted(n for n in names if n.startswith(PARTIAL_MANIFEST_PREFIX)
+                  and n.endswith((".json", ".json.tmp")) and _regular(folder / n))
 
 
 def _is_work_folder(path: Path) -> bool:
@@ -473,7 +476,8 @@ def _is_work_folder(path: Path) -> bool:
 def _is_output(path: Path) -> bool:
     """An output of ours: a real folder of ours holding a completion marker."""
     marker = _read_json(path / COMPLETE_NAME)
-    return _owned_dir(path) and marker is not None and "files" in marker and "format_version" in marker
+    return (_owned_dir(path) and marker is not None
+            and "files" in marker and "format_version" in marker)
 
 
 class _Lock:
@@ -493,7 +497,8 @@ class _Lock:
             raise OutputError(busy) from None
         except OSError as e:
             raise OutputError(f"{path}: cannot be used as a lock file ({e.strerror or e}); "
-                              "it must be a regular file", hint="remove it if no conversion runs") from None
+                              "it must be a regular file",
+                              hint="remove it if no conversion runs") from None
         st = os.lstat(path)
         if not stat.S_ISREG(st.st_mode):
             self._lock.release()
@@ -545,8 +550,8 @@ def lock_destination(dest: Path, *, part: int | None = None, what: str = "writin
     locks = [main]
     try:
         if part is not None:
-            locks.append(_Lock(dest.parent / f".{dest.name}{PART_LOCK_INFIX}{part}",
-                               f"{dest}: another mxfp8-convert is writing part {part} of this destination"))
+            busy = f"{dest}: another mxfp8-convert is writing part {part} of this destination"
+            locks.append(_Lock(dest.parent / f".{dest.name}{PART_LOCK_INFIX}{part}", busy))
         else:
             for i, p in _part_locks(dest):
                 locks.append(_Lock(p, f"{dest}: part {i} of this destination is still running"))
@@ -571,7 +576,7 @@ def clean_leftovers(dest: Path) -> None:
     if _is_output(dest) and _manifests(dest):
         rec = (_read_json(dest / MANIFEST_NAME) or {}).get("replacing")
         held = _recorded(dest.parent, rec, work.name)
-        if held is not None and isinstance(rec, dict) and not os.path.lexists(dest.parent / rec["aside"]):
+        if held is not None and not os.path.lexists(dest.parent / rec["aside"]):
             os.rename(held, dest.parent / rec["aside"])
         for n in _manifests(dest):
             remove_created(dest / n)
@@ -591,7 +596,9 @@ def clean_leftovers(dest: Path) -> None:
 
 def _recorded(parent: Path, rec, name: str | None) -> Path | None:
     """``parent/name`` if it is the folder a manifest's ``replacing`` record names by inode."""
-    if not isinstance(rec, dict) or not isinstance(name, str) or "/" in name or not name.startswith("."):
+    if not (isinstance(rec, dict) and isinstance(name, str) and isinstance(rec.get("aside"), str)):
+        return None
+    if "/" in name or not name.startswith("."):
         return None
     p = parent / name
     try:
@@ -663,7 +670,9 @@ def _rename_exchange(a: Path, b: Path) -> bool:
     if fn(at_fdcwd, os.fsencode(a), at_fdcwd, os.fsencode(b), rename_exchange) == 0:
         return True
     err = ctypes.get_errno()
-    if err in (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP, getattr(errno, "EOPNOTSUPP", errno.ENOTSUP)):
+    unsupported = (errno.EINVAL, errno.ENOSYS, errno.ENOTSUP,
+                   getattr(errno, "EOPNOTSUPP", errno.ENOTSUP))
+    if err in unsupported:
         return False
     raise OSError(err, os.strerror(err), str(b))
 
@@ -683,7 +692,8 @@ def file_digest(path: Path) -> str:
 def _intact(path: Path, rec: dict) -> bool:
     try:
         st = os.lstat(path)
-        return stat.S_ISREG(st.st_mode) and st.st_size == rec.get("size") and file_digest(path) == rec.get("xxh3_128")
+        return (stat.S_ISREG(st.st_mode) and st.st_size == rec.get("size")
+                and file_digest(path) == rec.get("xxh3_128"))
     except OSError:
         return False
 
@@ -724,7 +734,7 @@ class Staging:
             if os.path.lexists(dest):
                 replace_check(dest, overwrite=overwrite)
             created = self._open(fresh)
-            if part is not None:  # the destination's lock was only needed to start beside the others
+            if part is not None:  # the destination's lock was needed only to start beside others
                 self._locks.pop(0).release()
                 if fresh:
                     remove_created(self.path / self._manifest)
@@ -750,7 +760,8 @@ class Staging:
         if os.path.lexists(self.path):
             if not _is_work_folder(self.path):
                 raise OutputError(f"{self.path}: exists and is not a work folder of mxfp8-convert "
-                                  "(a link, another user's, or without our manifest); not touching it",
+                                  "(a link, another user's, or without our manifest); "
+                                  "not touching it",
                                   hint="move it away, or choose another -o")
             if not (fresh and self.part is None):
                 return False
@@ -774,24 +785,30 @@ class Staging:
         try:
             clean_leftovers(dest)
             if os.path.lexists(dest):
-                raise OutputError(f"{dest}: already exists", hint="nothing to finalize; remove it to redo")
+                raise OutputError(f"{dest}: already exists",
+                                  hint="nothing to finalize; remove it to redo")
             if os.path.lexists(self.path) and not _is_work_folder(self.path):
-                raise OutputError(f"{self.path}: exists and is not a work folder of mxfp8-convert; not touching it")
+                raise OutputError(f"{self.path}: exists and is not a work folder of mxfp8-convert; "
+                                  "not touching it")
             names = [n for n in _manifests(self.path)
                      if n.startswith(f"{PARTIAL_MANIFEST_PREFIX}.part-") and n.endswith(".json")]
             parts = [doc for n in names if (doc := _read_json(self.path / n)) is not None]
             if not parts:
                 raise OutputError(f"{dest}: no parts to finalize in {self.path}",
-                                  hint="run the conversion with --num-parts N --part I for every I first")
+                                  hint="run the conversion with --num-parts N --part I "
+                                       "for every I first")
             n = parts[0]["params"].get("num_parts")
             if any(p.get("params") != parts[0]["params"] for p in parts):
-                raise OutputError(f"{self.path}: parts were made with different parameters; rerun them alike")
+                raise OutputError(f"{self.path}: parts were made with different parameters; "
+                                  "rerun them alike")
             missing = sorted(set(range(n)) - {p.get("part") for p in parts})
             if missing:
-                raise OutputError(f"{dest}: part(s) {', '.join(map(str, missing))} of {n} have not run")
+                raise OutputError(f"{dest}: part(s) {', '.join(map(str, missing))} of {n} "
+                                  "have not run")
             self.params, self.source = parts[0]["params"], parts[0].get("source")
             self.files = {rel: rec for p in parts for rel, rec in (p.get("files") or {}).items()
-                          if isinstance(rec, dict) and _safe_rel(rel) and _intact(self.path / rel, rec)}
+                          if isinstance(rec, dict) and _safe_rel(rel)
+                          and _intact(self.path / rel, rec)}
         except BaseException:
             self._release()
             raise
@@ -903,8 +920,9 @@ def _safe_rel(rel) -> bool:
     """A manifest's file name: relative, normalised, staying inside the work folder."""
     import posixpath
 
-    return (isinstance(rel, str) and bool(rel) and "\0" not in rel and not rel.startswith(("/", "\\"))
-            and ".." not in rel.split("/") and posixpath.normpath(rel) == rel)
+    return (isinstance(rel, str) and bool(rel) and "\0" not in rel
+            and not rel.startswith(("/", "\\")) and ".." not in rel.split("/")
+            and posixpath.normpath(rel) == rel)
 
 
 def finished_bytes(staging: Staging) -> int:

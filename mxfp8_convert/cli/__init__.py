@@ -345,8 +345,8 @@ def main(argv: list[str] | None = None) -> int:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
     except (KeyboardInterrupt, Interrupted) as e:
         code = EXIT_SIGTERM if isinstance(e, Terminated) else EXIT_SIGINT
-        Output(as_json="--json" in args).error("terminated" if code == EXIT_SIGTERM else "interrupted",
-                                               getattr(e, "hint", None) or HINTS[code])
+        what = "terminated" if code == EXIT_SIGTERM else "interrupted"
+        Output(as_json="--json" in args).error(what, getattr(e, "hint", None) or HINTS[code])
         return code
     finally:
         for s, h in previous.items():
