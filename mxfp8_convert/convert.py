@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import stat
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -19,7 +20,7 @@ from mxfp8_convert._lazy import torch, torch_loaded
 from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BACKENDS, BackendSpec, get_backend
 from mxfp8_convert.dtypes import torch_dtype
-from mxfp8_convert.errors import ConvertError, LayoutError, OutputError
+from mxfp8_convert.errors import ConvertError, DiskFullError, LayoutError, OutputError
 from mxfp8_convert.format import (
     COMPLETE_MARKER,
     CONFIG_FILE,
@@ -47,9 +48,12 @@ from mxfp8_convert.publish import CARD_NAME, write_model_card
 from mxfp8_convert.read import (
     ShardReader,
     SourceCheckpoint,
+    check_source_unchanged,
     chunk_ranges,
     open_checkpoint,
+    open_source_file,
     resolve_model,
+    watch_source,
 )
 from mxfp8_convert.transform import (
     MOE_FUSE,
@@ -66,6 +70,7 @@ from mxfp8_convert.write import (
     Staging,
     check_destination,
     copy_file,
+    finished_bytes,
     free_bytes,
     fsync_paths,
     write_json,
@@ -220,13 +225,10 @@ def convert(
                                  quantize_towers=quantize_towers,
                                  allow_no_quantized=allow_no_quantized, progress=progress)
     dest = Path(output) if output is not None else default_output(str(model), backend)
-    check_destination(dest, ckpt.root, overwrite=overwrite)
+    check_destination(dest, ckpt.root, overwrite=overwrite, part=None if part is None else part[0],
+                      exists=dry_run)  # a real run checks again under the lock
     if dry_run:
         return ConversionResult(str(ckpt.root), str(dest), plan, True, time.perf_counter() - t0, 0)
-    need = plan.nbytes + sum(ckpt.path(f).stat().st_size for f in plan.copied_files) + (1 << 20)  # + configs, card
-    if free_bytes(dest.parent) < need:
-        raise OutputError(f"{dest.parent}: {free_bytes(dest.parent)} bytes free, the output needs {need}",
-                          hint="free disk space or choose another -o")
     params = {"source_fingerprint": plan.fingerprint, "backend": backend, "format": plan.format,
               "on_ineligible": on_ineligible, "ignore": sorted(ignore or []), "tool_version": __version__,
               "format_version": FORMAT_VERSION, "moe": moe, "quantize_towers": quantize_towers,
@@ -236,14 +238,23 @@ def convert(
         i, n = _check_part(part)
         params["num_parts"] = n
         shards = [s for j, s in enumerate(plan.shards) if j % n == i]  # round robin over sorted shards
-    staging = Staging(dest, params, fresh=fresh, part=part, source=str(ckpt.root),
-                      owned={s.name for s in shards} if part is not None else None)
-    executor = _Executor(ckpt, plan, get_backend(backend), staging, progress or (lambda e: None), hub_repo_id)
+    modes = _Modes.of(ckpt, plan)
+    # parts record the source resolved, so `finalize` finds it from any working directory
+    staging = Staging(dest, params, fresh=fresh, part=part, source=os.path.abspath(ckpt.root),
+                      owned={s.name for s in shards} if part is not None else None,
+                      overwrite=overwrite, writes=output_names(ckpt, plan), dir_mode=modes.folder)
+    try:
+        _check_free_space(dest, ckpt, plan, shards if part is not None else None, staging)
+    except BaseException:
+        staging.suspend() if staging.files else staging.abort()
+        raise
+    executor = _Executor(ckpt, plan, get_backend(backend), staging, progress or (lambda e: None),
+                         hub_repo_id, modes)
     try:
         n_workers = _workers(plan, workers, max_memory)
         if _computes(plan):
             import torch  # noqa: F401 - now, so that _compute_threads can set its threads
-        with _compute_threads(n_workers):
+        with _compute_threads(n_workers), watch_source():
             files = executor.write_shards(shards, workers=n_workers)
         if part is not None:
             staging.suspend()  # `finalize` gathers the parts
@@ -252,14 +263,82 @@ def convert(
                                     dict(sorted(executor.errors.items())), part=part)
         written = executor.finish(files)
         staging.commit()
+    except DiskFullError as e:
+        _suspend_full(staging, e)
+        raise
     except ConvertError:
         staging.abort()  # bad input or output: nothing worth resuming
         raise
-    except BaseException:
+    except BaseException as e:
         staging.suspend()  # interrupted: the next run with the same parameters resumes
+        _note_if_complete(staging, e)
         raise
     return ConversionResult(str(ckpt.root), str(dest), plan, False, time.perf_counter() - t0, written,
                             dict(sorted(executor.errors.items())))
+
+
+def _suspend_full(staging: Staging, e: DiskFullError) -> None:
+    """The disk filled up: keep what is finished for a resume (a work folder with nothing
+    finished is removed, as after any other failure)."""
+    if not staging.files:
+        staging.abort()
+        return
+    staging.discard_unfinished()  # e.g. the side files: cheap to redo, and not listed
+    staging.suspend()
+    e.hint = (f"free disk space and rerun the same command: it resumes, keeping the "
+              f"{len(staging.files)} finished file(s) in {staging.path}")
+
+
+def _check_free_space(dest: Path, ckpt: SourceCheckpoint, plan: ConversionPlan,
+                      shards: list[ShardPlan] | None, staging: Staging) -> None:
+    """Room for what is left to write: the files an interrupted run finished count as written."""
+    if shards is None:
+        need = plan.nbytes + sum(ckpt.path(f).stat().st_size for f in plan.copied_files) + (1 << 20)
+    else:  # a part writes its shards only
+        need = sum(s.nbytes for s in shards) + (1 << 20)
+    need -= finished_bytes(staging)
+    free = free_bytes(dest.parent)
+    if free < need:
+        raise DiskFullError(f"{dest.parent}: {free} bytes free, the output needs {need} more",
+                            hint="free disk space or choose another -o")
+
+
+def output_names(ckpt: SourceCheckpoint, plan: ConversionPlan) -> set[str]:
+    """Every file a conversion of ``plan`` writes into its work folder (relative names)."""
+    return ({s.name for s in plan.shards} | set(plan.copied_files) | set(_json_files(ckpt, plan))
+            | {CARD_NAME, COMPLETE_MARKER})
+
+
+@dataclass(frozen=True, slots=True)
+class _Modes:
+    """Permission bits of what we write: at most 0644 / 0755 and never wider than the source
+    (a shard's mode is capped by its source shard's, a copied file's by its source's; the
+    files we generate and the folder by the source's shards, config and folder together)."""
+
+    shards: dict[str, int]  # output shard -> mode
+    generated: int
+    folder: int
+
+    @classmethod
+    def of(cls, ckpt: SourceCheckpoint, plan: ConversionPlan) -> _Modes:
+        def mode(rel: str | None) -> int:
+            try:
+                return stat.S_IMODE(os.stat(ckpt.root if rel is None else ckpt.path(rel)).st_mode)
+            except OSError:
+                return 0o644
+        per_file = {name: mode(name) & 0o644 for name in ckpt.shards}
+        generated = 0o644
+        config = mode(CONFIG_FILE) if (ckpt.root / CONFIG_FILE).exists() else 0o644
+        for m in (*per_file.values(), config):
+            generated &= m
+        shards = {}
+        for shard in plan.shards:
+            m = per_file.get(shard.name, generated)
+            for t in shard.tensors:
+                info = ckpt.tensors.get(t.source)
+                m &= per_file.get(info.file, 0o644) if info is not None else 0o644
+            shards[shard.name] = m
+        return cls(shards, generated, 0o755 & mode(None) & (generated | 0o111))
 
 
 def _check_part(part: tuple[int, int]) -> tuple[int, int]:
@@ -339,8 +418,6 @@ def finalize(output: str | Path, *, source: str | Path | None = None, hub_repo_i
     """
     t0 = time.perf_counter()
     dest = Path(output)
-    if dest.exists():
-        raise OutputError(f"{dest}: already exists", hint="nothing to finalize; remove it to redo")
     staging, _ = Staging.finalizing(dest)
     try:
         p = staging.params
@@ -364,19 +441,29 @@ def finalize(output: str | Path, *, source: str | Path | None = None, hub_repo_i
             files[s.name] = {"size": rec["size"], "xxh3_128": rec["xxh3_128"]}
         written = executor.finish(files)
         staging.commit()
-    except BaseException:
+    except BaseException as e:
         staging.suspend()
+        _note_if_complete(staging, e)
         raise
     return ConversionResult(str(ckpt.root), str(dest), plan, False, time.perf_counter() - t0, written,
                             dict(sorted(executor.errors.items())))
+
+
+def _note_if_complete(staging: Staging, e: BaseException) -> None:
+    """An interrupt that came during the final rename is acted on once it is done: say the
+    output is complete rather than that a rerun would resume."""
+    if staging.committed and not isinstance(e, ConvertError):
+        e.hint = f"the output was already complete: {staging.dest}"
 
 
 class _Executor:
     """Runs a plan: writes every shard, copies side files, writes configs and the marker."""
 
     def __init__(self, ckpt: SourceCheckpoint, plan: ConversionPlan, backend: BackendSpec,
-                 staging: Staging, emit: ProgressCallback, hub_repo_id: str | None = None) -> None:
+                 staging: Staging, emit: ProgressCallback, hub_repo_id: str | None = None,
+                 modes: _Modes | None = None) -> None:
         self.ckpt, self.plan, self.backend, self.emit = ckpt, plan, backend, emit
+        self.modes = modes or _Modes.of(ckpt, plan)
         self.hub_repo_id = hub_repo_id
         self.staging, self.out = staging, staging.path
         self.modules = {m.name: m for m in plan.modules}
@@ -409,17 +496,23 @@ class _Executor:
         files = dict(files)
         self.emit(ProgressEvent("writing", bytes_done=self.done, bytes_total=self.plan.nbytes))
         for rel in self.plan.copied_files:
-            files[rel] = file_record(*copy_file(self.ckpt.path(rel), self.out / rel))
+            src, st = open_source_file(self.ckpt.root, rel)  # checked now, as it is opened
+            with src:
+                mode = stat.S_IMODE(st.st_mode)
+                files[rel] = file_record(*copy_file(src, self.out / rel, mode=mode))
         for rel, obj in _json_files(self.ckpt, self.plan).items():
-            files[rel] = file_record(*write_json(self.out / rel, obj))
+            files[rel] = file_record(*write_json(self.out / rel, obj, mode=self.modes.generated))
         files[CARD_NAME] = file_record(*write_model_card(  # replaces the copied source README
-            self.out, self.ckpt.root, repo_id=self.hub_repo_id, completion=self.completion_record({})))
+            self.out, self.ckpt.root, repo_id=self.hub_repo_id,
+            completion=self.completion_record({}), mode=self.modes.generated))
         fsync_paths([self.out / s.name for s in self.plan.shards])  # durable before "complete"
-        write_json(self.out / COMPLETE_MARKER, self.completion_record(files))
+        write_json(self.out / COMPLETE_MARKER, self.completion_record(files),
+                   mode=self.modes.generated)
         self.emit(ProgressEvent("done", bytes_done=self.plan.nbytes, bytes_total=self.plan.nbytes))
         return sum(f["size"] for f in files.values())
 
     def _advance(self, n: int, shard: str, tensor: str | None) -> None:
+        check_source_unchanged()  # workers stop too when another process changes a source shard
         with self._lock:
             self.done += n
             done = self.done
@@ -465,7 +558,8 @@ class _Executor:
         self._local.readers, self._local.pending = {}, {}
         self._local.pool = BufferPool(CHUNK_BYTES, PIPELINE_DEPTH + 2)  # queued + in hand
         writer = ShardWriter(self.out / shard.name, entries, _shard_metadata(self.ckpt, self.plan, shard),
-                             depth=PIPELINE_DEPTH)
+                             depth=PIPELINE_DEPTH,
+                             mode=self.modes.shards.get(shard.name, self.modes.generated))
         try:
             for t in shard.tensors:
                 for n in self._produce(t, writer):

@@ -56,3 +56,7 @@ class VerifyError(ConvertError):
 
 class MarkerError(ConvertError):
     """A checkpoint's layout marker is missing or does not match what was asked for."""
+
+
+class DiskFullError(OutputError):
+    """The destination's disk (or quota) is full; finished files are kept for a resume."""

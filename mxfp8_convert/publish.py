@@ -9,6 +9,7 @@ disk and the network; it prints nothing and never imports rich.
 from __future__ import annotations
 
 import json
+import os
 from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
@@ -317,7 +318,7 @@ def make_model_card(
 
 def write_model_card(output_dir: str | Path, source_root: str | Path, *, source_repo: str | None = None,
                      repo_id: str | None = None, command: str | None = None,
-                     completion: dict | None = None) -> tuple[int, str]:
+                     completion: dict | None = None, mode: int = 0o644) -> tuple[int, str]:
     """Write ``output_dir/README.md`` (replacing the copied source README) from the marker.
 
     Call it on the staging folder after the shards, copied files and ``config.json`` are
@@ -330,6 +331,7 @@ def write_model_card(output_dir: str | Path, source_root: str | Path, *, source_
         repo_id: where the output will be pushed, if known (for the loading snippet).
         command: the command line that made the output (default: rebuilt from the marker).
         completion: the completion record about to be written (its ``files`` are not needed).
+        mode: permission bits of the card (capped at 0644).
 
     Returns:
         ``(size, xxh3_128 hex)`` of the README written, as ``write.write_bytes`` returns.
@@ -340,17 +342,32 @@ def write_model_card(output_dir: str | Path, source_root: str | Path, *, source_
     """
     root = Path(source_root)
     path_repo, commit = hub_repo_from_path(root)
-    readme = root / CARD_NAME
-    try:
-        source_card = readme.read_text(encoding="utf-8") if readme.is_file() else None
-    except (OSError, UnicodeDecodeError):
-        source_card = None  # a README we cannot read is dropped, not fatal: the card says enough
+    source_card = _source_card(root)
     repo = source_repo or path_repo
     card = make_model_card(output_dir, source_card=source_card, source_repo=repo,
                            source_commit=commit if repo == path_repo else None, repo_id=repo_id,
                            name=None if repo else root.resolve().name, command=command,
                            completion=completion)
-    return write_bytes(Path(output_dir) / CARD_NAME, card.encode("utf-8"))
+    return write_bytes(Path(output_dir) / CARD_NAME, card.encode("utf-8"), mode=mode)
+
+
+def _source_card(root: Path) -> str | None:
+    """The source's README, checked as it is opened (a regular file inside the model folder;
+    a FIFO is not waited on); one we cannot or may not read is dropped: the card says enough."""
+    from mxfp8_convert.errors import SourceError
+    from mxfp8_convert.read import open_source_file
+
+    if not os.path.lexists(root / CARD_NAME):
+        return None
+    try:
+        f, _ = open_source_file(root, CARD_NAME)
+    except SourceError:
+        return None
+    try:
+        with f:
+            return f.read().decode("utf-8")
+    except (OSError, UnicodeDecodeError):
+        return None
 
 
 def read_completion_marker(output_dir: str | Path) -> dict:

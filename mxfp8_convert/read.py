@@ -13,10 +13,14 @@ import math
 import mmap
 import os
 import posixpath
+import signal
 import stat
 import struct
+import sys
+import threading
 import warnings
 from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -173,13 +177,37 @@ def _open_regular(root: Path, rel: str, *, what: str):
         raise _fail(rel, "file not found") from None
     except (OSError, ValueError) as e:
         raise _fail(rel, f"cannot be opened ({_reason(e)})") from None
-    mode = os.fstat(fd).st_mode
-    if not stat.S_ISREG(mode):
+    st = os.fstat(fd)
+    if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        kind = "a directory" if stat.S_ISDIR(mode) else "not a regular file (pipe, socket or device)"
+        kind = ("a directory" if stat.S_ISDIR(st.st_mode)
+                else "not a regular file (pipe, socket or device)")
         raise _fail(rel, f"is {kind}, not a {'safetensors' if what == 'shard' else 'regular'} file")
+    try:  # what was opened is what was checked: the path, checked again, still names this file
+        same = os.path.samestat(os.stat(safe_child(root, rel, what=what)), st)
+    except OSError:
+        same = False
+    except SourceError:
+        os.close(fd)
+        raise
+    if not same:
+        os.close(fd)
+        raise _fail(rel, "changed while it was being opened (replaced or relinked)")
     f = os.fdopen(fd, "rb")
-    return f, os.fstat(fd).st_size
+    return f, st.st_size
+
+
+def open_source_file(root: Path, rel: str):
+    """Open file ``rel`` of the model folder for copying, checked as it is opened: a regular
+    file (a FIFO is refused without waiting), inside the folder (or the Hub cache's blobs).
+
+    Returns ``(binary file object, os.stat_result)``.
+
+    Raises:
+        SourceError: naming the file.
+    """
+    f, _ = _open_regular(root, rel, what="file")
+    return f, os.fstat(f.fileno())
 
 
 class _Pairs(dict):
@@ -472,6 +500,102 @@ def _join(rel_dir: Path, name: str) -> str:
     return name if str(rel_dir) == "." else f"{rel_dir.as_posix()}/{name}"
 
 
+class _Watch:
+    """Source shards mapped under a read lease (Linux ``F_SETLEASE``), so that another process
+    that truncates or rewrites one cannot pull the pages from under the mapping.
+
+    Touching a mapped page past a shrunken file's end raises SIGBUS, which no Python code can
+    catch: the process just dies (exit 135). With a read lease, the kernel makes the other
+    process's ``open(O_WRONLY)`` / ``truncate()`` wait (up to ``/proc/sys/fs/lease-break-time``,
+    45 s) and sends us SIGIO; the handler raises a ``SourceError`` naming the file, the
+    conversion stops, its mappings close and the lease goes, and the other process goes on.
+    Leases are taken only inside ``watch_source()`` (its SIGIO handler must be there: SIGIO's
+    default action ends the process), in the main thread, where the system grants them (our
+    own files, a local filesystem); elsewhere the size is checked before mapping, as always.
+    """
+
+    active = False
+    leased: dict[int, str] = {}  # fd -> shard
+    changed: str | None = None  # the shard another process started to change
+    _lock = threading.Lock()
+
+    @classmethod
+    def lease(cls, fd: int, rel: str) -> bool:
+        if not cls.active or _F_SETLEASE is None:
+            return False
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_RDLCK)
+        except OSError:  # not our file, open for writing elsewhere, NFS...: size checks only
+            return False
+        with cls._lock:
+            cls.leased[fd] = rel
+        return True
+
+    @classmethod
+    def release(cls, fd: int) -> None:
+        with cls._lock:
+            if cls.leased.pop(fd, None) is None:
+                return
+        import fcntl
+
+        try:
+            fcntl.fcntl(fd, _F_SETLEASE, fcntl.F_UNLCK)
+        except OSError:
+            pass
+
+    @classmethod
+    def on_sigio(cls, signum, frame) -> None:
+        import fcntl
+
+        with cls._lock:
+            leased = list(cls.leased.items())
+        for fd, rel in leased:
+            try:
+                breaking = fcntl.fcntl(fd, _F_GETLEASE) == fcntl.F_UNLCK
+            except OSError:
+                continue
+            if breaking:
+                cls.changed = rel
+                raise source_changed(rel)
+
+
+def source_changed(rel: str) -> SourceError:
+    return SourceError(f"{rel}: another process opened this source shard for writing or truncated "
+                       "it during the conversion", hint="rerun once nothing else writes the source")
+
+
+def check_source_unchanged() -> None:
+    """For worker threads: stop once the SIGIO handler saw a source shard being changed."""
+    if _Watch.changed is not None:
+        raise source_changed(_Watch.changed)
+
+
+#: Linux's fcntl commands for file leases (the values of <fcntl.h>)
+_F_SETLEASE, _F_GETLEASE = (1024, 1025) if sys.platform.startswith("linux") else (None, None)
+
+
+@contextmanager
+def watch_source() -> Iterator[None]:
+    """Within this block, shards opened by ``ShardReader`` are read under a lease (``_Watch``).
+
+    Only in the main thread of the process (where a signal handler can be set) and on Linux;
+    a no-op elsewhere.
+    """
+    main = threading.current_thread() is threading.main_thread()
+    if _F_SETLEASE is None or not main or _Watch.active:
+        yield
+        return
+    previous = signal.signal(signal.SIGIO, _Watch.on_sigio)
+    _Watch.active, _Watch.changed = True, None
+    try:
+        yield
+    finally:
+        _Watch.active = False
+        signal.signal(signal.SIGIO, previous)
+
+
 class ShardReader:
     """One open source shard: an fd for in-kernel copies and a read-only mmap for views.
 
@@ -483,8 +607,10 @@ class ShardReader:
         self.relpath = relpath
         self._f, size = _open_regular(root, relpath, what="shard")
         self.fd = self._f.fileno()
+        if _Watch.lease(self.fd, relpath):  # from now on a truncation waits for us: size again
+            size = os.fstat(self.fd).st_size
         if size != expected_size:  # changed since its header was validated: never mmap past EOF
-            self._f.close()
+            self.close()
             raise SourceError(f"{relpath}: file changed size during conversion ({expected_size} -> {size})")
         self._mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if size else None
         # the mapping's address, for memchr (numpy reads it off a read-only buffer; ctypes cannot)
@@ -533,8 +659,9 @@ class ShardReader:
             self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
+        _Watch.release(self.fd)
         self._pin = None
-        if self._mm is not None:
+        if getattr(self, "_mm", None) is not None:
             try:
                 self._mm.close()
             except BufferError:  # a view is still referenced somewhere; the GC unmaps it later

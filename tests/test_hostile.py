@@ -700,18 +700,41 @@ def output_size(tmp_path_factory):
                                       0.3, 0.7, 0.95, 0.9999, "last-byte"])
 def test_enospc_injected_anywhere_in_the_output(capsys, tmp_path, output_size, monkeypatch, fraction):
     """ENOSPC from write() or copy_file_range() at any point (header, tensor bytes, copied
-    files, JSON, completion marker): one line, exit 1, nothing left, the source untouched."""
+    files, JSON, completion marker): one line, exit 1, no destination, the source untouched,
+    no half-written file; what was finished stays in the work folder (each file as its manifest
+    records it, nothing else) and the same command, with room again, resumes and keeps it."""
+    from mxfp8_convert.write import file_digest
+
     src = small_model(tmp_path / "model")
-    before = tree_state(tmp_path)
+    before = tree_state(src)
     disk = _Disk(output_size - 1 if fraction == "last-byte" else int(fraction * output_size))
     _inject_full_disk(monkeypatch, disk)
     dest = tmp_path / "out"
     with audit() as events:
-        result = run_cli(capsys, src, "-b", "cutlass", "-o", dest)
+        code, out, err = run_cli(capsys, src, "-b", "cutlass", "-o", dest)
     assert disk.hit >= 1
-    assert_clean_failure(result, dest, "no space left on device", f"{tmp_path}/.out.mxfp8-")
-    assert tree_state(tmp_path) == before
+    lines = err.strip().splitlines()
+    assert code == 1 and out == "" and "Traceback" not in err and len(lines) == 2, err
+    assert lines[0].startswith("Error: ") and "no space left on device" in lines[0], err
+    assert f"{tmp_path}/.out.mxfp8-" in lines[0] and not dest.exists()
+    assert tree_state(src) == before
     assert writes_outside(events, dest) == []
+    work = tmp_path / ".out.mxfp8-partial"
+    if leftovers(tmp_path) == []:
+        assert lines[1] == "Hint: free disk space or choose another -o"
+        return
+    assert leftovers(tmp_path) == [work.name]
+    assert lines[1].startswith("Hint: free disk space and rerun the same command: it resumes"), err
+    files = json.loads((work / "mxfp8_convert.partial.json").read_text())["files"]
+    assert files and sorted(os.listdir(work)) == sorted([*files, "mxfp8_convert.partial.json"])
+    for rel, rec in files.items():
+        assert (work / rel).stat().st_size == rec["size"] and file_digest(work / rel) == rec["xxh3_128"]
+    kept = {rel: (work / rel).stat().st_ino for rel in files}
+    monkeypatch.undo()
+    code, out, err = run_cli(capsys, src, "-b", "cutlass", "-o", dest)
+    assert code == 0, err
+    assert {rel: (dest / rel).stat().st_ino for rel in kept} == kept, "finished files were redone"
+    assert leftovers(tmp_path) == []
 
 
 def test_enospc_injection_lets_a_roomy_disk_succeed(capsys, tmp_path, output_size, monkeypatch):

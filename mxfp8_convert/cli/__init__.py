@@ -14,7 +14,7 @@ from typing import Annotated
 import typer
 
 from mxfp8_convert._version import __version__
-from mxfp8_convert.cli._errors import Terminated, handle_errors
+from mxfp8_convert.cli._errors import Interrupted, Terminated, handle_errors
 from mxfp8_convert.cli._output import Output, human_bytes, table
 
 EPILOG = """\
@@ -363,20 +363,33 @@ def _render_inspect(console, report) -> None:
     console.print(table("Linear modules", ["module", "shape", "dtype", "stored as", *backends], rows))
 
 
-def _on_sigterm(signum, frame) -> None:
-    raise Terminated()
+def _on_signal(signum, frame) -> None:
+    raise Terminated() if signum == getattr(signal, "SIGTERM", None) else Interrupted()
 
 
 def main(argv: list[str] | None = None) -> int:
-    """Console-script entry point. Without a subcommand, arguments go to ``convert``."""
+    """Console-script entry point. Without a subcommand, arguments go to ``convert``.
+
+    SIGINT and SIGTERM end the run with 130 / 143 and one ``Error:`` line wherever they land,
+    also before or after a command's own error handling (parsing, printing the result).
+    """
+    from mxfp8_convert.cli._errors import EXIT_SIGINT, EXIT_SIGTERM, HINTS
+
     args = list(sys.argv[1:] if argv is None else argv)
-    if args and args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h", "--version"):
-        args.insert(0, "convert")
-    previous = signal.signal(signal.SIGTERM, _on_sigterm)
+    sigs = [s for s in (signal.SIGINT, getattr(signal, "SIGTERM", None)) if s is not None]
+    previous = {s: signal.signal(s, _on_signal) for s in sigs}
     try:
+        if args and args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h", "--version"):
+            args.insert(0, "convert")
         app(args=args, prog_name="mxfp8-convert", standalone_mode=True)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
+    except (KeyboardInterrupt, Interrupted) as e:
+        code = EXIT_SIGTERM if isinstance(e, Terminated) else EXIT_SIGINT
+        what = "terminated" if code == EXIT_SIGTERM else "interrupted"
+        Output(as_json="--json" in args).error(what, getattr(e, "hint", None) or HINTS[code])
+        return code
     finally:
-        signal.signal(signal.SIGTERM, previous)
+        for s, h in previous.items():
+            signal.signal(s, h)
     return 0

@@ -19,7 +19,13 @@ from mxfp8_convert.errors import ConvertError
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
 
-class Terminated(Exception):
+class Interrupted(BaseException):
+    """Raised by the CLI's SIGINT handler. A BaseException, as KeyboardInterrupt is, so that no
+    ``except Exception`` swallows it and every cleanup runs; but not a KeyboardInterrupt, which
+    Typer turns into a silent exit 130 wherever it lands outside ``handle_errors``."""
+
+
+class Terminated(Interrupted):
     """Raised by the SIGTERM handler so cleanup runs as for Ctrl-C."""
 
 
@@ -31,8 +37,9 @@ def _oserror(e: OSError) -> str:
 #: (exception type, exit code, message function), most specific first
 ERROR_TABLE: list[tuple[type[BaseException], int, Callable[[BaseException], str]]] = [
     (ConvertError, EXIT_FAILED, lambda e: str(e)),
-    (KeyboardInterrupt, EXIT_SIGINT, lambda e: "interrupted"),
     (Terminated, EXIT_SIGTERM, lambda e: "terminated"),
+    (Interrupted, EXIT_SIGINT, lambda e: "interrupted"),
+    (KeyboardInterrupt, EXIT_SIGINT, lambda e: "interrupted"),
     (MemoryError, EXIT_FAILED, lambda e: "out of memory"),
     (OSError, EXIT_FAILED, _oserror),
 ]
