@@ -67,7 +67,7 @@ class MXFP8Parameter(BasevLLMParameter):
         self.rows_loaded += src.shape[0] * self.grid.rows
 
     def _part(self, loaded: torch.Tensor, index: int, size: int, presharded: bool) -> torch.Tensor:
-        """Rows ``[index * size, (index + 1) * size)`` of a stored tensor (all of it if presharded)."""
+        """Rows ``[index * size, (index + 1) * size)`` of a stored tensor (all if presharded)."""
         if presharded:
             return loaded
         return common.take_rows(loaded, self.grid, index * size, size, self.what)
@@ -199,12 +199,13 @@ class MXFP8ConvertConfig(QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> MXFP8ConvertConfig:
-        marker = {k: v for k, v in config.items() if k not in ("hf_config", "packed_modules_mapping")}
+        extra = ("hf_config", "packed_modules_mapping")
+        marker = {k: v for k, v in config.items() if k not in extra}
         common.check_marker(marker, "config.json quantization_config")
         path = getattr(config.get("hf_config"), "_name_or_path", None)
         if not path:
-            raise MarkerError("the mxfp8_convert plug-in needs a local checkpoint folder as the model",
-                              hint="pass --model-path OUT, the converted folder")
+            raise MarkerError("the mxfp8_convert plug-in needs a local checkpoint folder as the "
+                              "model", hint="pass --model-path OUT, the converted folder")
         return cls(common.read_checkpoint(path), config.get("packed_modules_mapping"))
 
     def _layout_of(self, prefix: str) -> str | None:
