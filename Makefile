@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_SRC := examples/tiny-mxfp8
 
-.PHONY: install test test-fast demo bench lint clean
+.PHONY: install test test-fast demo bench lint clean test-engines test-engines-sglang
 
 # CPU-only setup: torch's CPU build (pip takes the one on this disk), then the package with test extras.
 install: $(BIN)/mxfp8-convert
@@ -16,6 +16,25 @@ $(BIN)/mxfp8-convert: pyproject.toml
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# SGLang's own venv (sglang 0.5.23 brings torch 2.14.1 and its CUDA libraries, ~10.5 GB); the
+# project goes in without its deps, then the few it needs that SGLang does not bring.
+SGLANG_VENV ?= .venv-sglang
+SGLANG_BIN := $(SGLANG_VENV)/bin
+$(SGLANG_VENV)/.installed: pyproject.toml
+	$(PY) -m venv $(SGLANG_VENV)
+	$(SGLANG_BIN)/pip install -q --upgrade pip
+	$(SGLANG_BIN)/pip install -q "sglang==0.5.23"
+	$(SGLANG_BIN)/pip install -q --no-deps -e .
+	$(SGLANG_BIN)/pip install -q "xxhash>=3.0" "typer>=0.15,<0.30" "rich>=13" "pytest>=8"
+	touch $@
+
+# The SGLang plug-in's layer tests, in SGLang's venv (they skip under the main venv's `make test`).
+test-engines-sglang: $(SGLANG_VENV)/.installed
+	MXFP8_ENGINE_TESTS=sglang $(SGLANG_BIN)/python -m pytest -q -p no:cacheprovider \
+		tests/engines/test_sglang_plugin.py
+
+test-engines: test-engines-sglang
 
 demo: install
 	rm -rf $(DEMO_SRC) $(DEMO_SRC)-trtllm $(DEMO_SRC)-cutlass
