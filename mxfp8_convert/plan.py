@@ -264,10 +264,11 @@ class TensorPlan:
 class ShardPlan:
     name: str  # output file name (same as the source shard's)
     tensors: tuple[TensorPlan, ...]
+    #: sum of the tensors' sizes, computed once: progress reports read it per tensor written
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum(t.nbytes for t in self.tensors))
 
     def to_dict(self) -> dict:
         return {"name": self.name, "nbytes": self.nbytes, "tensors": [t.to_dict() for t in self.tensors]}
@@ -293,10 +294,11 @@ class ConversionPlan:
     dropped: tuple[str, ...] = field(default=())  # source tensors not written (DROPPED_SUFFIXES)
     kv_scales: tuple[str, ...] = field(default=())  # KV-cache scales kept
     quantize_towers: bool = False  # linears outside the language model quantized too
+    #: total output tensor bytes, computed once: every progress event carries it
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.shards)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum(s.nbytes for s in self.shards))
 
     def to_dict(self) -> dict:
         actions: dict[str, int] = {}

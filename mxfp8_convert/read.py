@@ -155,6 +155,23 @@ def _hub_blobs(real_root: Path) -> Path | None:
     return None
 
 
+def hub_blob_sha256(root: Path, rel: str) -> str | None:
+    """The Hub's SHA-256 of file ``root/rel`` when it is a Hub cache snapshot link to a blob
+    named by it (how huggingface_hub stores LFS files: ``blobs/<sha256>``), else None."""
+    p = root / rel
+    if not p.is_symlink():
+        return None
+    try:
+        real = p.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    blobs = _hub_blobs(root.resolve())
+    name = real.name
+    if blobs is None or real.parent != blobs or len(name) != 64 or name.strip("0123456789abcdef"):
+        return None
+    return name
+
+
 def _reason(e: BaseException) -> str:
     return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
 
@@ -472,6 +489,29 @@ def _join(rel_dir: Path, name: str) -> str:
     return name if str(rel_dir) == "." else f"{rel_dir.as_posix()}/{name}"
 
 
+def find_bytes(buf, values: bytes) -> int:
+    """Index of the first byte of ``buf`` (any contiguous buffer) equal to one of ``values``, or -1.
+
+    A check on every weight byte must run at memory speed and beside the other threads: libc's
+    memchr, called through ctypes so that the GIL is released while it scans (``mmap.find``
+    holds it), one ``SCAN_BLOCK`` at a time so that the scan for the second value reads the
+    block from the CPU cache. Without a libc memchr, a numpy comparison per value.
+    """
+    a = np.frombuffer(buf, dtype=np.uint8)
+    if a.size == 0:
+        return -1
+    if _memchr is None:
+        hits = [int(h[0]) for v in values if (h := np.flatnonzero(a == v)).size]
+        return min(hits) if hits else -1
+    base = a.ctypes.data
+    for at in range(0, a.size, SCAN_BLOCK):
+        size = min(SCAN_BLOCK, a.size - at)
+        hits = [h for v in values if (h := _memchr(base + at, v, size))]
+        if hits:
+            return min(hits) - base
+    return -1
+
+
 class ShardReader:
     """One open source shard: an fd for in-kernel copies and a read-only mmap for views.
 
@@ -487,8 +527,6 @@ class ShardReader:
             self._f.close()
             raise SourceError(f"{relpath}: file changed size during conversion ({expected_size} -> {size})")
         self._mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if size else None
-        # the mapping's address, for memchr (numpy reads it off a read-only buffer; ctypes cannot)
-        self._pin = np.frombuffer(self._mm, dtype=np.uint8) if self._mm is not None else None
 
     def view(self, begin: int, n: int) -> torch.Tensor:
         """Read-only uint8 view of bytes ``[begin, begin + n)`` (do not write to it)."""
@@ -505,26 +543,12 @@ class ShardReader:
         return memoryview(self._mm)[begin:begin + n]
 
     def find_byte(self, begin: int, n: int, values: bytes) -> int:
-        """Offset of the first byte in ``[begin, begin + n)`` equal to one of ``values``, or -1.
-
-        A check on every weight byte must run at memory speed and beside the writer threads:
-        libc's memchr, called through ctypes so that the GIL is released while it scans
-        (``mmap.find`` holds it, and stalled the writer thread's writev() loop for the whole
-        scan: BENCHMARKS.md), one ``SCAN_BLOCK`` at a time so that the scan for the second value
-        reads the block from the cache. Without a libc memchr, ``mmap.find``.
-        """
+        """Offset of the first byte in ``[begin, begin + n)`` equal to one of ``values``, or -1
+        (``find_bytes`` over the mapping)."""
         if self._mm is None or n == 0:
             return -1
-        if _memchr is None:
-            hits = [h for v in values if (h := self._mm.find(bytes([v]), begin, begin + n)) >= 0]
-            return min(hits) if hits else -1
-        base = self._pin.ctypes.data
-        for at in range(begin, begin + n, SCAN_BLOCK):
-            size = min(SCAN_BLOCK, begin + n - at)
-            hits = [h for v in values if (h := _memchr(base + at, v, size))]
-            if hits:
-                return min(hits) - base
-        return -1
+        at = find_bytes(self.bytes(begin, n), values)
+        return at if at < 0 else begin + at
 
     def drop(self, begin: int, n: int) -> None:
         page = mmap.PAGESIZE
@@ -533,7 +557,6 @@ class ShardReader:
             self._mm.madvise(mmap.MADV_DONTNEED, start, end - start)
 
     def close(self) -> None:
-        self._pin = None
         if self._mm is not None:
             try:
                 self._mm.close()
