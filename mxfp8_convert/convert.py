@@ -362,8 +362,12 @@ def finalize(output: str | Path, *, source: str | Path | None = None, hub_repo_i
                               hint="rerun that part; it resumes")
         executor = _Executor(ckpt, plan, get_backend(p["backend"]), staging, progress or (lambda e: None), hub_repo_id)
         files = {}
-        for s in plan.shards:
+        for j, s in enumerate(plan.shards):
             rec = staging.files[s.name]
+            if not executor.source_unchanged(s, rec):
+                raise OutputError(f"{dest}: the source bytes behind shard {s.name} (part {j % p['num_parts']} of "
+                                  f"{p['num_parts']}) are not those it was converted from",
+                                  hint="rerun that part; it redoes the shard")
             executor.errors.update(rec.get("errors") or {})
             files[s.name] = {"size": rec["size"], "xxh3_128": rec["xxh3_128"]}
         written = executor.finish(files)
