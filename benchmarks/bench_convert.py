@@ -75,13 +75,13 @@ def main() -> None:
     subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
     contenders = {
         f"mxfp8-convert {backend}" + (f" --workers {w}" if w > 1 else ""):
-            [sys.executable, "-m", "mxfp8_convert", str(src), "--backend", backend, "--quiet", "--workers", str(w)]
+            [sys.executable, "-P", "-m", "mxfp8_convert", str(src), "--backend", backend, "--quiet", "--workers", str(w)]
         for backend in args.backend for w in args.workers
     }
     if args.baseline:  # the same commands with the older tree first on the path
         for backend in args.backend:
             contenders[f"mxfp8-convert {backend}@baseline"] = [
-                "env", f"PYTHONPATH={Path(args.baseline).resolve()}", sys.executable, "-m", "mxfp8_convert",
+                "env", f"PYTHONPATH={Path(args.baseline).resolve()}", sys.executable, "-P", "-m", "mxfp8_convert",
                 str(src), "--backend", backend, "--quiet"]
     results, rss = against_cp(src, base / "dst", contenders, args.repeat)
 

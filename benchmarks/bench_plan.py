@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -20,10 +21,15 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
-def timed(cmd: list[str], env: dict) -> float:
+def timed(cmd: list[str], env: dict) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system) of one child: on a shared machine the CPU
+    time is the steadier figure."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
     subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
-    return time.perf_counter() - t
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
 
 
 def main() -> None:
@@ -50,13 +56,14 @@ def main() -> None:
             for tree, path in trees.items():
                 env = {**os.environ, "PYTHONPATH": path}
                 for job, extra in jobs.items():
-                    cmd = [sys.executable, "-m", "mxfp8_convert", *(["inspect", str(src), "--json"] if job == "inspect"
+                    cmd = [sys.executable, "-P", "-m", "mxfp8_convert", *(["inspect", str(src), "--json"] if job == "inspect"
                                                                     else [str(src), *extra])]
                     times.setdefault(f"{job} {tree}", []).append(timed(cmd, env))
         for name, ts in times.items():
-            print(f"{fmt:9s} {name:24s} median {statistics.median(ts):6.2f} s  runs {', '.join(f'{t:.2f}' for t in ts)}",
-                  flush=True)
-            rows.append({"format": fmt, "job": name, "seconds": ts})
+            wall, cpu = [w for w, _ in ts], [c for _, c in ts]
+            print(f"{fmt:9s} {name:24s} wall median {statistics.median(wall):6.2f} s (runs "
+                  f"{', '.join(f'{t:.2f}' for t in wall)})  CPU median {statistics.median(cpu):6.2f} s", flush=True)
+            rows.append({"format": fmt, "job": name, "wall_s": wall, "cpu_s": cpu})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
                                           "command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")

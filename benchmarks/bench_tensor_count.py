@@ -67,7 +67,7 @@ def main() -> None:
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "tensor_count.json"))
     args = ap.parse_args()
     base = Path(args.dir)
-    cli = [sys.executable, "-m", "mxfp8_convert"]
+    cli = [sys.executable, "-P", "-m", "mxfp8_convert"]
     rows = []
     for count in args.counts:
         src = make_source(base / f"src-{count}", count)

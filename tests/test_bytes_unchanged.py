@@ -45,8 +45,9 @@ def reference(tmp_path_factory) -> Path:
 
 def _run(pythonpath: Path, src: Path, out: Path, *args: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
-    r = subprocess.run([sys.executable, "-m", "mxfp8_convert", str(src), *args, "-o", str(out), "--json"],
-                       env=env, capture_output=True, text=True)
+    # -P: the working directory (this checkout) must not come first on the path
+    r = subprocess.run([sys.executable, "-P", "-m", "mxfp8_convert", str(src), *args, "-o", str(out), "--json"],
+                       env=env, capture_output=True, text=True, cwd=out.parent)
     assert r.returncode == 0, r.stderr
 
 
