@@ -800,8 +800,7 @@ def _moe_layer(block: str, experts: list[ModulePlan]) -> MoELayerPlan:
         _, e, role = expert_key(m.name)
         if (e, role) in by:
             raise LayoutError(f"{block}: expert {e} has two {role} projections ({by[(e, role)].name}, {m.name})")
-        by[(e, role)] = ModulePlan(m.name, m.n, m.k, m.weight, m.scale, m.action, MOE_LAYOUT, m.reason,
-                                   m.source_kind, m.source_backend, m.fused)  # = replace(m, layout=...), 3x faster
+        by[(e, role)] = replace(m, layout=MOE_LAYOUT)
     count = 1 + max(e for e, _ in by)
     missing = next(((e, r) for e in range(count) for r in EXPERT_ROLES if (e, r) not in by), None)
     if missing is not None:
