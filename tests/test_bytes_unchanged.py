@@ -1,8 +1,9 @@
 """The conversion's fast paths write the bytes the converter wrote before them.
 
-The reference is the converter as it was at commit ``a5719ef`` (before the single-pass writer,
-the gathered small writes and the batched planning), extracted from this repository's history
-with ``git archive`` and run in its own process: code independent of the code under test. Every
+The reference is the converter as it was at ``REFERENCE_COMMIT`` (main just before the
+single-pass writer, the gathered small writes and the batched planning), extracted from this
+repository's history with ``git archive`` and run in its own process (``python -P``, so that
+this checkout does not shadow it): code independent of the code under test. Every
 source dialect, every backend, MoE fused and kept, and laid-out sources are converted by both;
 every output tensor's bytes, dtype and shape, the shard metadata, config.json and the
 quantization errors must be the same. (File names and shard boundaries are compared by tensor,
@@ -25,7 +26,7 @@ import pytest
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.synth import ALL_DIALECTS, SynthSpec, write_checkpoint
 
-REFERENCE_COMMIT = "a5719ef"
+REFERENCE_COMMIT = "313f817"  # main just before the single-pass writer and batched planning
 REPO = Path(__file__).resolve().parent.parent
 SPEC = SynthSpec(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=3,
                  extra_modules=(("self_attn.kv_a_proj_with_mqa", 576, 256),))
