@@ -83,7 +83,7 @@ def main() -> None:
         c, d = statistics.median(conv), statistics.median(dry)
         print(f"{count:>7} tensors  convert {c:7.2f} s ({c / count * 1e6:6.1f} us/tensor)  "
               f"dry-run {d:6.2f} s ({d / count * 1e6:6.1f} us/tensor)  runs {conv} / {dry}", flush=True)
-    for a, b in zip(rows, rows[1:]):
+    for a, b in zip(rows, rows[1:], strict=False):
         dn = b["tensors"] - a["tensors"]
         mc = (statistics.median(b["convert_s"]) - statistics.median(a["convert_s"])) / dn * 1e6
         md = (statistics.median(b["dry_run_s"]) - statistics.median(a["dry_run_s"])) / dn * 1e6

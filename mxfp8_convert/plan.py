@@ -521,9 +521,11 @@ def _lossless_file(ckpt: SourceCheckpoint, scales: list[TensorInfo]) -> dict[str
         if nonempty.any():
             tensor_bad[nonempty] = np.logical_or.reduceat(bad, starts[nonempty])
             tensor_pow2[nonempty] = np.logical_and.reduceat(pow2, starts[nonempty])
-        for s, is_bad, ok in zip(group, tensor_bad.tolist(), tensor_pow2.tolist()):
+        for s, is_bad, ok in zip(group, tensor_bad.tolist(), tensor_pow2.tolist(), strict=True):
             if is_bad:
-                from mxfp8_convert.quantize import fp8_scales_are_pow2  # torch: its error names the value
+                from mxfp8_convert.quantize import (
+                    fp8_scales_are_pow2,  # torch: its error names the value
+                )
 
                 fp8_scales_are_pow2(read_tensor(ckpt.root, s), name=s.name)
             out[s.name] = ok

@@ -17,8 +17,8 @@ from pathlib import Path
 
 import pytest
 
-from mxfp8_convert.convert import _Executor
 from mxfp8_convert import convert
+from mxfp8_convert.convert import _Executor
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
 from tests.checkpoints import tree_hashes
 
