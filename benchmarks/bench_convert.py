@@ -11,6 +11,7 @@ import json
 import statistics
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
@@ -58,6 +59,9 @@ def main() -> None:
     ap.add_argument("--backend", nargs="+", default=["trtllm", "cutlass"])
     ap.add_argument("--repeat", type=int, default=3)
     ap.add_argument("--workers", type=int, nargs="+", default=[1], help="also time --workers N (e.g. 1 2)")
+    ap.add_argument("--baseline", help="also time the converter at this source tree (e.g. an older "
+                    "commit's `git archive`), as 'NAME@baseline'")
+    ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "convert.json"))
     ap.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     base = Path(args.dir)
@@ -71,19 +75,38 @@ def main() -> None:
     subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
     contenders = {
         f"mxfp8-convert {backend}" + (f" --workers {w}" if w > 1 else ""):
-            [sys.executable, "-m", "mxfp8_convert", str(src), "--backend", backend, "--quiet", "--workers", str(w)]
+            [sys.executable, "-P", "-m", "mxfp8_convert", str(src), "--backend", backend, "--quiet", "--workers", str(w)]
         for backend in args.backend for w in args.workers
     }
+    if args.baseline:  # the same commands with the older tree first on the path
+        for backend in args.backend:
+            contenders[f"mxfp8-convert {backend}@baseline"] = [
+                "env", f"PYTHONPATH={Path(args.baseline).resolve()}", sys.executable, "-P", "-m", "mxfp8_convert",
+                str(src), "--backend", backend, "--quiet"]
     results, rss = against_cp(src, base / "dst", contenders, args.repeat)
 
     print(banner())  # after the timings: importing torch here must not inflate the children's RSS
     print(f"source: {size / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, largest tensor 512 MiB; "
           f"median of {args.repeat} interleaved runs")
-    base_t = statistics.median(results["cp -r + sync"])
+    report(results, rss, size, args)
+
+
+def report(results: dict, rss: dict, size: int, args) -> None:
+    """Median per contender, and the ratio to cp of every interleaved round (its spread)."""
+    cp = results["cp -r + sync"]
+    base_t = statistics.median(cp)
+    rows = []
     for name, ts in results.items():
         t = statistics.median(ts)
+        ratios = [c / x for c, x in zip(cp, ts)]
         extra = f"  peak RSS {rss[name] / 2**20:.0f} MiB" if name in rss else ""
-        print(f"{name:24s} {t:7.2f} s  {size / t / 1e9:5.2f} GB/s  speed vs cp+sync {base_t / t:4.2f}x{extra}")
+        print(f"{name:36s} {t:7.2f} s  {size / t / 1e9:5.2f} GB/s  vs cp+sync {base_t / t:4.2f}x "
+              f"(per round {min(ratios):.2f}-{max(ratios):.2f}x){extra}  runs {', '.join(f'{x:.2f}' for x in ts)}")
+        rows.append({"name": name, "seconds": ts, "ratio_to_cp_per_round": ratios, "peak_rss": rss.get(name)})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({
+        "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+        "bytes": size, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":

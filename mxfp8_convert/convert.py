@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 import numpy as np
+import xxhash
 
 from mxfp8_convert._buffers import BufferPool
 from mxfp8_convert._lazy import torch, torch_loaded
@@ -36,6 +37,7 @@ from mxfp8_convert.format import (
 )
 from mxfp8_convert.formats import detect_source
 from mxfp8_convert.layouts import p32_row_order, p32_shuffle_rows_array
+from mxfp8_convert.layouts.rows import P32_BLOCK
 from mxfp8_convert.plan import (
     ConversionPlan,
     ModulePlan,
@@ -50,6 +52,8 @@ from mxfp8_convert.read import (
     SourceCheckpoint,
     check_source_unchanged,
     chunk_ranges,
+    find_bytes,
+    hub_blob_sha256,
     open_checkpoint,
     open_source_file,
     resolve_model,
@@ -435,8 +439,12 @@ def finalize(output: str | Path, *, source: str | Path | None = None, hub_repo_i
                               hint="rerun that part; it resumes")
         executor = _Executor(ckpt, plan, get_backend(p["backend"]), staging, progress or (lambda e: None), hub_repo_id)
         files = {}
-        for s in plan.shards:
+        for j, s in enumerate(plan.shards):
             rec = staging.files[s.name]
+            if not executor.source_unchanged(s, rec):
+                raise OutputError(f"{dest}: the source bytes behind shard {s.name} (part {j % p['num_parts']} of "
+                                  f"{p['num_parts']}) are not those it was converted from",
+                                  hint="rerun that part; it redoes the shard")
             executor.errors.update(rec.get("errors") or {})
             files[s.name] = {"size": rec["size"], "xxh3_128": rec["xxh3_128"]}
         written = executor.finish(files)
@@ -477,8 +485,9 @@ class _Executor:
         """Write ``shards`` (``workers`` at a time), keeping any an interrupted run finished."""
         def one(shard: ShardPlan) -> tuple[str, dict]:
             rec = self.staging.finished(shard.name)
-            if rec is None or rec.get("errors") is None:
-                rec = {**self._write_shard(shard), "errors": self._shard_errors(shard)}
+            if rec is None or rec.get("errors") is None or not self.source_unchanged(shard, rec):
+                rec = self._write_shard(shard)
+                rec["errors"] = self._shard_errors(shard)
                 with self._lock:
                     self.staging.record(shard.name, rec)
             else:  # finished by an interrupted earlier run, and still intact
@@ -510,6 +519,53 @@ class _Executor:
                    mode=self.modes.generated)
         self.emit(ProgressEvent("done", bytes_done=self.plan.nbytes, bytes_total=self.plan.nbytes))
         return sum(f["size"] for f in files.values())
+
+    def source_unchanged(self, shard: ShardPlan, rec: dict) -> bool:
+        """Whether the source bytes behind ``shard`` are those its record was made from.
+
+        Hub snapshot files are named by the Hub's own SHA-256 of their bytes: where every
+        source file of the shard is one, those names are compared and nothing is read. Else
+        each source tensor is hashed again (xxh3, at memory speed: far cheaper than redoing
+        the shard) and the digest compared with the one recorded while it was converted.
+        """
+        source = rec.get("source")
+        if not isinstance(source, dict) or not isinstance(source.get("xxh3_128"), str):
+            return False  # recorded by a version that did not hash its source: redo
+        blobs = self._blobs(shard)
+        if None not in blobs.values() and blobs == source.get("hub_blobs"):
+            return True
+        return _combine(self._hash_sources(shard)) == source["xxh3_128"]
+
+    def _blobs(self, shard: ShardPlan) -> dict[str, str | None]:
+        files = sorted({info.file for info in _sources(self.ckpt.tensors, shard, self.modules, self.moe)})
+        return {f: hub_blob_sha256(self.ckpt.root, f) for f in files}
+
+    def _hash_sources(self, shard: ShardPlan) -> dict[str, str]:
+        out = {}
+        readers: dict[str, ShardReader] = {}
+        try:
+            for info in _sources(self.ckpt.tensors, shard, self.modules, self.moe):
+                if info.file not in readers:
+                    readers[info.file] = ShardReader(self.ckpt.root, info.file, self.ckpt.shards[info.file].size)
+                out[_source_key(info)] = xxhash.xxh3_64(readers[info.file].bytes(info.begin, info.nbytes)).hexdigest()
+        finally:
+            for r in readers.values():
+                r.close()
+        return out
+
+    def _source_hasher(self, info):
+        """A new hasher for source tensor ``info``'s bytes, or None if they are hashed already."""
+        key = _source_key(info)
+        if key in self._local.hashes:
+            return None
+        h = self._local.hashes[key] = xxhash.xxh3_64()
+        return h
+
+    def _hash_whole(self, info) -> None:
+        """Hash source tensor ``info`` in one go (tensors read whole: scales, computed modules)."""
+        h = self._source_hasher(info)
+        if h is not None:
+            h.update(self.reader(info).bytes(info.begin, info.nbytes))
 
     def _advance(self, n: int, shard: str, tensor: str | None) -> None:
         check_source_unchanged()  # workers stop too when another process changes a source shard
@@ -555,8 +611,9 @@ class _Executor:
 
     def _write_shard(self, shard: ShardPlan) -> dict:
         entries = [(t.name, t.dtype, t.shape, t.nbytes) for t in shard.tensors]
-        self._local.readers, self._local.pending = {}, {}
+        self._local.readers, self._local.pending, self._local.hashes = {}, {}, {}
         self._local.pool = BufferPool(CHUNK_BYTES, PIPELINE_DEPTH + 2)  # queued + in hand
+        blobs = self._blobs(shard)
         writer = ShardWriter(self.out / shard.name, entries, _shard_metadata(self.ckpt, self.plan, shard),
                              depth=PIPELINE_DEPTH,
                              mode=self.modes.shards.get(shard.name, self.modes.generated))
@@ -564,7 +621,11 @@ class _Executor:
             for t in shard.tensors:
                 for n in self._produce(t, writer):
                     self._advance(n, shard.name, t.name)
-            return file_record(*writer.close())
+            rec = file_record(*writer.close())
+            source = {"xxh3_128": _combine({k: h.hexdigest() for k, h in self._local.hashes.items()})}
+            if None not in blobs.values():
+                source["hub_blobs"] = blobs
+            return {**rec, "source": source}
         except BaseException:
             writer.abort()
             raise
@@ -590,29 +651,27 @@ class _Executor:
     @staticmethod
     def _check_nan(reader: ShardReader, info, begin: int, n: int) -> None:
         """e4m3 NaN is 0x7F or 0xFF: refuse it, naming the tensor and the [row, col]."""
-        at = reader.find_byte(begin, n, E4M3_NAN_BYTES)
-        if at >= 0:
-            row, col = divmod(at - info.begin, info.shape[-1])
-            raise LayoutError(f"{info.file}: weight {info.name!r} holds NaN (e4m3 byte 0x7F/0xFF) at [{row}, {col}]")
+        _nan_scan(info, begin)(reader.bytes(begin, n), 0)
 
     def _copy(self, info, writer: ShardWriter, *, check_nan: bool) -> Iterator[int]:
-        """Unchanged bytes: written straight from the source mapping.
+        """Unchanged bytes: written straight from the source mapping, checked (``check_nan``)
+        and hashed in the writer's one pass over each piece.
 
         Not copy_file_range (what cp does): with the writer's early writeback (ShardWriter), the
         kernel copy ran ~1 s slower over 4.33 GB than writes from the mapping (BENCHMARKS.md).
         """
         reader = self.reader(info)
+        source = self._source_hasher(info)
         for begin, n in chunk_ranges(info, granule=1, chunk_bytes=CHUNK_BYTES):
-            src = reader.bytes(begin, n)
-            if check_nan:
-                self._check_nan(reader, info, begin, n)
-            writer.write(src, lambda _, b=begin, k=n: reader.drop(b, k))
+            writer.write(reader.bytes(begin, n), lambda _, b=begin, k=n: reader.drop(b, k),
+                         scan=_nan_scan(info, begin) if check_nan else None, source=source)
             yield n
 
     def _stream_mxfp8(self, t: TensorPlan, m: ModulePlan, writer: ShardWriter) -> Iterator[int]:
         """Canonical MXFP8 source: the weight streams chunk by chunk, never whole in memory."""
         info = self.ckpt.tensors[t.source]
         if t.role == "weight_scale":  # numpy: moving MXFP8 bytes never imports torch
+            self._hash_whole(info)
             s = np.frombuffer(self.reader(info).bytes(info.begin, info.nbytes), dtype=np.uint8).reshape(info.shape)
             check_scale_codes(s, info.name)
             laid = layout_scale(t, self.backend, s)
@@ -627,13 +686,17 @@ class _Executor:
             yield from self._copy(info, writer, check_nan=True)
             return
         reader = self.reader(info)
+        source = self._source_hasher(info)
         row_bytes = t.shape[1]
         for begin, n in chunk_ranges(info, granule=granule, chunk_bytes=CHUNK_BYTES):
-            self._check_nan(reader, info, begin, n)
             if t.layout == LAYOUTS["trtllm"].weight and row_bytes >= ROW_COPY_MIN_BYTES:
                 order = p32_row_order(n // row_bytes)  # output row p <- source row order[p]
-                writer.copy_rows(row_bytes, order, reader.bytes(begin, n), lambda _, b=begin, k=n: reader.drop(b, k))
-            else:  # narrow rows: shuffled in memory, with numpy (no torch)
+                writer.copy_rows(row_bytes, order, reader.bytes(begin, n), lambda _, b=begin, k=n: reader.drop(b, k),
+                                 group=P32_BLOCK, scan=_nan_scan(info, begin), source=source)
+            else:  # narrow rows: checked, hashed and shuffled in memory, with numpy (no torch)
+                self._check_nan(reader, info, begin, n)
+                if source is not None:
+                    source.update(reader.bytes(begin, n))
                 rows = np.frombuffer(reader.bytes(begin, n), dtype=np.uint8).reshape(-1, row_bytes)
                 laid = p32_shuffle_rows_array(rows, self.pool.get(n))
                 del rows
@@ -643,6 +706,9 @@ class _Executor:
 
     def _canonical(self, m: ModulePlan) -> tuple[torch.Tensor, torch.Tensor]:
         if m.name not in self.pending:
+            for info in (m.weight, m.scale):
+                if info is not None:
+                    self._hash_whole(info)
             scale = self.source(m.scale) if m.scale is not None else None
             src = BACKENDS[m.source_backend] if m.source_backend else None
             q, s, err = canonical_module(m, self.source(m.weight), scale, src)
@@ -721,6 +787,46 @@ class _Executor:
         _, s = self._canonical(m)
         self.pending.pop(m.name)
         return s
+
+
+def _nan_scan(info, begin: int):
+    """``ShardWriter`` scan of e4m3 bytes of ``info`` that start at absolute offset ``begin``:
+    e4m3 NaN is 0x7F or 0xFF; refuse it, naming the tensor and the [row, col]."""
+    def scan(piece, at: int) -> None:
+        hit = find_bytes(piece, E4M3_NAN_BYTES)
+        if hit >= 0:
+            row, col = divmod(begin + at + hit - info.begin, info.shape[-1])
+            raise LayoutError(f"{info.file}: weight {info.name!r} holds NaN (e4m3 byte 0x7F/0xFF) at [{row}, {col}]")
+    return scan
+
+
+def _source_key(info) -> str:
+    return f"{info.file}\0{info.begin}\0{info.nbytes}\0{info.name}"
+
+
+def _combine(hashes: dict[str, str]) -> str:
+    """One digest of the source tensors behind a shard: xxh3_128 of their sorted (key, xxh3_64)."""
+    h = xxhash.xxh3_128()
+    for key in sorted(hashes):
+        h.update(f"{key}\0{hashes[key]}\n".encode())
+    return h.hexdigest()
+
+
+def _sources(tensors: dict, shard: ShardPlan, modules: dict[str, ModulePlan],
+             moe: dict[str, MoELayerPlan]) -> list:
+    """The source tensors whose bytes make up output ``shard`` (each belongs to one shard)."""
+    out: dict[str, object] = {}
+    for t in shard.tensors:
+        if t.module in moe:
+            infos = [i for m in moe[t.module].modules for i in (m.weight, m.scale)]
+        elif t.module in modules:
+            infos = [modules[t.module].weight, modules[t.module].scale]
+        else:
+            infos = [tensors[t.source]]
+        for info in infos:
+            if info is not None:
+                out.setdefault(_source_key(info), info)
+    return list(out.values())
 
 
 def _computed(m: ModulePlan) -> bool:

@@ -20,6 +20,7 @@ from mxfp8_convert.plan import (
     build_plan,
     expert_key,
     find_modules,
+    fp8_lossless,
     fused_moe_blocks,
     fused_moe_shape,
 )
@@ -107,8 +108,12 @@ def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, re
         role = roles.get(name, "other")
         report.bytes_by_role[role] = report.bytes_by_role.get(role, 0) + info.nbytes
         report.count_by_role[role] = report.count_by_role.get(role, 0) + 1
+    try:
+        lossless = fp8_lossless(ckpt, fmt)  # read once for the three plans below
+    except ConvertError:
+        lossless = None  # each plan reports the error
     for b in (*KERNEL_BACKENDS, "canonical"):
-        report.actions[b] = _conversion(ckpt, fmt, b)
+        report.actions[b] = _conversion(ckpt, fmt, b, lossless)
     return report
 
 
@@ -153,11 +158,11 @@ def _why_not(backend, w, n: int, k: int) -> list[str]:
     return backend.violations(n, k)
 
 
-def _conversion(ckpt, fmt, backend: str) -> str:
+def _conversion(ckpt, fmt, backend: str, lossless: dict[str, bool] | None) -> str:
     """What converting to ``backend`` would do, in one phrase."""
     try:
         plan = build_plan(ckpt, BACKENDS[backend], fmt, on_ineligible="keep",
-                          allow_no_quantized=True)
+                          allow_no_quantized=True, lossless=lossless)
     except ConvertError as e:
         return f"not possible: {e}"
     counts = plan.to_dict()["modules_by_action"]

@@ -14,6 +14,8 @@ import math
 import re
 from dataclasses import dataclass, field, replace
 
+import numpy as np
+
 from mxfp8_convert._version import __version__
 from mxfp8_convert.architecture import QUANTIZED_KINDS, NameRules
 from mxfp8_convert.backends import BACKENDS, BackendSpec
@@ -42,7 +44,7 @@ from mxfp8_convert.layouts.moe import (
     moe_fc2_weight_shape,
     moe_shape_violations,
 )
-from mxfp8_convert.read import SourceCheckpoint, TensorInfo, read_tensor
+from mxfp8_convert.read import SourceCheckpoint, TensorInfo, read_small_tensors, read_tensor
 
 #: tensors of a quantized source an MXFP8 output has no use for: static activation scales
 #: (MXFP8 activations are quantized dynamically, per 1x32 block)
@@ -264,10 +266,11 @@ class TensorPlan:
 class ShardPlan:
     name: str  # output file name (same as the source shard's)
     tensors: tuple[TensorPlan, ...]
+    #: sum of the tensors' sizes, computed once: progress reports read it per tensor written
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(t.nbytes for t in self.tensors)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum(t.nbytes for t in self.tensors))
 
     def to_dict(self) -> dict:
         return {"name": self.name, "nbytes": self.nbytes, "tensors": [t.to_dict() for t in self.tensors]}
@@ -293,10 +296,11 @@ class ConversionPlan:
     dropped: tuple[str, ...] = field(default=())  # source tensors not written (DROPPED_SUFFIXES)
     kv_scales: tuple[str, ...] = field(default=())  # KV-cache scales kept
     quantize_towers: bool = False  # linears outside the language model quantized too
+    #: total output tensor bytes, computed once: every progress event carries it
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
-        return sum(s.nbytes for s in self.shards)
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "nbytes", sum(s.nbytes for s in self.shards))
 
     def to_dict(self) -> dict:
         actions: dict[str, int] = {}
@@ -445,10 +449,9 @@ def _check_laid_out_pair(w: TensorInfo, s: TensorInfo, src: BackendSpec) -> tupl
     return n, k
 
 
-def _check_fp8_pair(ckpt: SourceCheckpoint, fmt: FormatSpec, w: TensorInfo, s: TensorInfo) -> tuple[int, int, bool]:
-    """Shapes of a block/per-tensor FP8 pair, and whether it converts losslessly (reads the
-    small float scale tensor: the only tensor data the plan ever reads). K need not be a
-    multiple of 32: the backend check says what becomes of such a module."""
+def _check_fp8_pair(fmt: FormatSpec, w: TensorInfo, s: TensorInfo) -> tuple[int, int]:
+    """Shapes of a block/per-tensor FP8 pair (its scale's values: ``fp8_lossless``). K need not
+    be a multiple of 32: the backend check says what becomes of such a module."""
     n, k = _check_2d(w)
     if s.dtype not in FLOAT_DTYPES:
         raise LayoutError(f"{s.file}: scale {s.name!r} has dtype {s.dtype}; FP8 scales are floating point")
@@ -460,9 +463,73 @@ def _check_fp8_pair(ckpt: SourceCheckpoint, fmt: FormatSpec, w: TensorInfo, s: T
     elif math.prod(s.shape) not in (1, n) or len(s.shape) > 2:
         raise LayoutError(f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; per-tensor or per-channel "
                           f"scales of weight {w.name!r} [{n}, {k}] are [], [1], [{n}] or [{n}, 1]")
-    from mxfp8_convert.quantize import fp8_scales_are_pow2  # torch: only for FP8 sources
+    return n, k
 
-    return n, k, fp8_scales_are_pow2(read_tensor(ckpt.root, s), name=s.name)
+
+#: float safetensors dtype -> how its bytes become float32 with numpy (exact, or rounded to
+#: nearest as torch's ``.to(torch.float32)`` does for F64)
+_AS_F32 = {
+    "F32": lambda b: np.frombuffer(b, dtype="<f4"),
+    "F16": lambda b: np.frombuffer(b, dtype="<f2").astype(np.float32),
+    "BF16": lambda b: (np.frombuffer(b, dtype="<u2").astype(np.uint32) << 16).view(np.float32),
+    "F64": lambda b: np.frombuffer(b, dtype="<f8").astype(np.float32),
+}
+
+
+def fp8_lossless(ckpt: SourceCheckpoint, fmt: FormatSpec) -> dict[str, bool]:
+    """Scale name -> whether that FP8 pair converts losslessly: every multiplier an exact power
+    of two in ``[2^-127, 2^127]`` (the only tensor data a plan reads).
+
+    All scales are read file by file (``read_small_tensors``) and tested at once with numpy, on
+    their float32 values as ``quantize.fp8_scales_are_pow2`` tests them; a scale that is zero,
+    negative, NaN or Inf is handed to that function, whose error names it.
+
+    Raises:
+        LayoutError: a scale that is not a finite positive number.
+    """
+    if fmt.kind not in ("block_fp8", "fp8"):
+        return {}
+    return _lossless(ckpt, [s for _, _, s in _quantized_pairs(ckpt, fmt)])
+
+
+def _lossless(ckpt: SourceCheckpoint, scales: list[TensorInfo]) -> dict[str, bool]:
+    by_file: dict[str, list[TensorInfo]] = {}
+    for s in scales:
+        if s is not None and s.dtype in _AS_F32:
+            by_file.setdefault(s.file, []).append(s)
+    out: dict[str, bool] = {}
+    for rel in sorted(by_file):  # a file at a time: memory bounded by one file's scales
+        out.update(_lossless_file(ckpt, by_file[rel]))
+    return out
+
+
+def _lossless_file(ckpt: SourceCheckpoint, scales: list[TensorInfo]) -> dict[str, bool]:
+    data = read_small_tensors(ckpt.root, scales)
+    out = {}
+    for dtype in sorted({s.dtype for s in scales}):
+        group = [s for s in scales if s.dtype == dtype]
+        bits = _AS_F32[dtype](b"".join(data[(s.file, s.begin)] for s in group)).view(np.uint32)
+        sizes = np.array([s.nbytes // itemsize(dtype) for s in group], dtype=np.int64)
+        # on the float32 bits: NaN/Inf (exponent 255) or a sign bit (>= 0x7F800000), or +0
+        bad = (bits >= 0x7F800000) | (bits == 0)
+        # a positive finite power of two: mantissa 0, or the subnormal 2^-127 (mantissa 1 << 22)
+        pow2 = ((bits & 0x7FFFFF) == 0) | (bits == 1 << 22)
+        starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
+        nonempty = sizes > 0
+        tensor_bad = np.zeros(len(group), dtype=bool)
+        tensor_pow2 = np.ones(len(group), dtype=bool)
+        if nonempty.any():
+            tensor_bad[nonempty] = np.logical_or.reduceat(bad, starts[nonempty])
+            tensor_pow2[nonempty] = np.logical_and.reduceat(pow2, starts[nonempty])
+        for s, is_bad, ok in zip(group, tensor_bad.tolist(), tensor_pow2.tolist(), strict=True):
+            if is_bad:
+                from mxfp8_convert.quantize import (
+                    fp8_scales_are_pow2,  # torch: its error names the value
+                )
+
+                fp8_scales_are_pow2(read_tensor(ckpt.root, s), name=s.name)
+            out[s.name] = ok
+    return out
 
 
 def _source_backend(ckpt: SourceCheckpoint, fmt: FormatSpec) -> BackendSpec | None:
@@ -473,13 +540,13 @@ def _source_backend(ckpt: SourceCheckpoint, fmt: FormatSpec) -> BackendSpec | No
     return BACKENDS[marker.backend]
 
 
-def _classify(ckpt, fmt, src, w, s) -> tuple[int, int, str]:
+def _classify(fmt, src, w, s, lossless: dict[str, bool]) -> tuple[int, int, str]:
     """(N, K, action before backend constraints) of one module."""
     if fmt.kind == "dense":
         return (*_check_2d(w), "quantize")
-    if fmt.kind in ("block_fp8", "fp8"):
-        n, k, lossless = _check_fp8_pair(ckpt, fmt, w, s)
-        return n, k, "lossless" if lossless else "requantize"
+    if fmt.kind in ("block_fp8", "fp8"):  # the pair's shapes are checked already (_candidates)
+        n, k = w.shape
+        return n, k, "lossless" if lossless[s.name] else "requantize"
     n, k = _check_laid_out_pair(w, s, src) if src is not None else _check_mxfp8_pair(w, s)
     return n, k, "relayout"
 
@@ -501,15 +568,21 @@ class _Found:
 
 
 def _candidates(ckpt, fmt, src: BackendSpec | None, backend: BackendSpec, ignored: set[str],
-                towers: bool) -> _Found:
+                towers: bool, lossless: dict[str, bool] | None = None) -> _Found:
     """Every linear module of the source, classified and planned for ``backend`` before its
     constraints are checked, and every other weight with why it is left as it is. Ignored
     modules of a quantized source are planned dequantized."""
     if fmt.kind == "dense":
         return _dense_candidates(ckpt, backend, ignored, towers)
     out, unq = [], []
-    for module, w, s in _quantized_pairs(ckpt, fmt):
-        n, k, action = _classify(ckpt, fmt, src, w, s)
+    pairs = _quantized_pairs(ckpt, fmt)
+    if fmt.kind in ("block_fp8", "fp8"):
+        for _, w, s in pairs:  # shapes first: a bad pair fails before any scale is read
+            _check_fp8_pair(fmt, w, s)
+        if lossless is None:
+            lossless = _lossless(ckpt, [s for _, _, s in pairs])
+    for module, w, s in pairs:
+        n, k, action = _classify(fmt, src, w, s, lossless)
         src_name = src.name if src is not None and s.name.endswith("." + SWIZZLED_SUFFIX) else None
         m = ModulePlan(module, n, k, w, s, action, backend.weight_layout, None, fmt.kind, src_name)
         out.append(_dequantized(m, "--ignore") if module in ignored else m)
@@ -622,12 +695,13 @@ def _stacked_experts(ckpt, name: str, info: TensorInfo, backend: BackendSpec, d)
 
 
 def _module_plans(ckpt, fmt, backend: BackendSpec, ignored: set[str], on_ineligible, moe: str,
-                  towers: bool) -> tuple[list[ModulePlan], list[MoELayerPlan], list[Unquantized]]:
+                  towers: bool, lossless: dict[str, bool] | None = None,
+                  ) -> tuple[list[ModulePlan], list[MoELayerPlan], list[Unquantized]]:
     src = _source_backend(ckpt, fmt)
     if src is not None and src.name == backend.name:
         raise FormatError(f"{ckpt.root}: already laid out for {backend.name}",
                           hint="nothing to do; use --backend canonical to get plain MXFP8 back")
-    found = _candidates(ckpt, fmt, src, backend, ignored, towers)
+    found = _candidates(ckpt, fmt, src, backend, ignored, towers, lossless)
     unq = list(found.unquantized)
     dense, blocks = _split_experts(found.modules)
     offenders: list[str] = []
@@ -895,6 +969,7 @@ def build_plan(
     quantize_towers: bool = False,
     allow_no_quantized: bool = False,
     strict_ignore: bool = True,
+    lossless: dict[str, bool] | None = None,
 ) -> ConversionPlan:
     """Decide every output tensor from the source's headers.
 
@@ -914,6 +989,8 @@ def build_plan(
             (vision/audio towers, projectors, task heads).
         allow_no_quantized: plan a plain copy when no module would be converted.
         strict_ignore: a pattern of ``ignore`` that matches no module is an error.
+        lossless: FP8 sources: ``fp8_lossless(ckpt, fmt)``, when already computed (it reads
+            every scale; ``inspect`` plans three backends from one reading).
 
     Returns:
         The frozen plan.
@@ -930,7 +1007,7 @@ def build_plan(
         raise FormatError(f"--moe must be 'fuse' or 'keep', got {moe!r}")
     ignored = resolve_ignore(ckpt, list(ignore or []), strict=strict_ignore)
     modules, layers, unquantized = _module_plans(ckpt, fmt, backend, ignored, on_ineligible, moe,
-                                                 quantize_towers)
+                                                 quantize_towers, lossless)
     converts = bool(layers) or any(m.action in MXFP8_ACTIONS for m in modules)
     if not allow_no_quantized and not converts:
         raise FormatError(f"{ckpt.root}: no module would be converted to MXFP8 ({fmt.name} source, "

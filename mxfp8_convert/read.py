@@ -159,6 +159,23 @@ def _hub_blobs(real_root: Path) -> Path | None:
     return None
 
 
+def hub_blob_sha256(root: Path, rel: str) -> str | None:
+    """The Hub's SHA-256 of file ``root/rel`` when it is a Hub cache snapshot link to a blob
+    named by it (how huggingface_hub stores LFS files: ``blobs/<sha256>``), else None."""
+    p = root / rel
+    if not p.is_symlink():
+        return None
+    try:
+        real = p.resolve(strict=True)
+    except (OSError, RuntimeError):
+        return None
+    blobs = _hub_blobs(root.resolve())
+    name = real.name
+    if blobs is None or real.parent != blobs or len(name) != 64 or name.strip("0123456789abcdef"):
+        return None
+    return name
+
+
 def _reason(e: BaseException) -> str:
     return (e.strerror if isinstance(e, OSError) and e.strerror else str(e)) or type(e).__name__
 
@@ -596,6 +613,29 @@ def watch_source() -> Iterator[None]:
         signal.signal(signal.SIGIO, previous)
 
 
+def find_bytes(buf, values: bytes) -> int:
+    """Index of the first byte of ``buf`` (any contiguous buffer) equal to one of ``values``, or -1.
+
+    A check on every weight byte must run at memory speed and beside the other threads: libc's
+    memchr, called through ctypes so that the GIL is released while it scans (``mmap.find``
+    holds it), one ``SCAN_BLOCK`` at a time so that the scan for the second value reads the
+    block from the CPU cache. Without a libc memchr, a numpy comparison per value.
+    """
+    a = np.frombuffer(buf, dtype=np.uint8)
+    if a.size == 0:
+        return -1
+    if _memchr is None:
+        hits = [int(h[0]) for v in values if (h := np.flatnonzero(a == v)).size]
+        return min(hits) if hits else -1
+    base = a.ctypes.data
+    for at in range(0, a.size, SCAN_BLOCK):
+        size = min(SCAN_BLOCK, a.size - at)
+        hits = [h for v in values if (h := _memchr(base + at, v, size))]
+        if hits:
+            return min(hits) - base
+    return -1
+
+
 class ShardReader:
     """One open source shard: an fd for in-kernel copies and a read-only mmap for views.
 
@@ -613,8 +653,6 @@ class ShardReader:
             self.close()
             raise SourceError(f"{relpath}: file changed size during conversion ({expected_size} -> {size})")
         self._mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if size else None
-        # the mapping's address, for memchr (numpy reads it off a read-only buffer; ctypes cannot)
-        self._pin = np.frombuffer(self._mm, dtype=np.uint8) if self._mm is not None else None
 
     def view(self, begin: int, n: int) -> torch.Tensor:
         """Read-only uint8 view of bytes ``[begin, begin + n)`` (do not write to it)."""
@@ -631,26 +669,12 @@ class ShardReader:
         return memoryview(self._mm)[begin:begin + n]
 
     def find_byte(self, begin: int, n: int, values: bytes) -> int:
-        """Offset of the first byte in ``[begin, begin + n)`` equal to one of ``values``, or -1.
-
-        A check on every weight byte must run at memory speed and beside the writer threads:
-        libc's memchr, called through ctypes so that the GIL is released while it scans
-        (``mmap.find`` holds it, and stalled the writer thread's writev() loop for the whole
-        scan: BENCHMARKS.md), one ``SCAN_BLOCK`` at a time so that the scan for the second value
-        reads the block from the cache. Without a libc memchr, ``mmap.find``.
-        """
+        """Offset of the first byte in ``[begin, begin + n)`` equal to one of ``values``, or -1
+        (``find_bytes`` over the mapping)."""
         if self._mm is None or n == 0:
             return -1
-        if _memchr is None:
-            hits = [h for v in values if (h := self._mm.find(bytes([v]), begin, begin + n)) >= 0]
-            return min(hits) if hits else -1
-        base = self._pin.ctypes.data
-        for at in range(begin, begin + n, SCAN_BLOCK):
-            size = min(SCAN_BLOCK, begin + n - at)
-            hits = [h for v in values if (h := _memchr(base + at, v, size))]
-            if hits:
-                return min(hits) - base
-        return -1
+        at = find_bytes(self.bytes(begin, n), values)
+        return at if at < 0 else begin + at
 
     def drop(self, begin: int, n: int) -> None:
         page = mmap.PAGESIZE
@@ -660,7 +684,6 @@ class ShardReader:
 
     def close(self) -> None:
         _Watch.release(self.fd)
-        self._pin = None
         if getattr(self, "_mm", None) is not None:
             try:
                 self._mm.close()
@@ -680,6 +703,32 @@ def read_tensor(ckpt_root: Path, info: TensorInfo) -> torch.Tensor:
         if f.readinto(memoryview(buf.numpy()).cast("B")) != info.nbytes:
             raise SourceError(f"{info.file}: file ended inside tensor {info.name!r} (truncated?)")
     return buf.view(torch_dtype(info.dtype)).reshape(info.shape)
+
+
+def read_small_tensors(ckpt_root: Path, infos: list[TensorInfo]) -> dict[tuple[str, int], bytes]:
+    """The bytes of many (small) tensors, ``(file, begin) -> bytes``: each file opened (and its
+    path checked) once, one ``pread`` per tensor, in file order. For the plan's FP8 scales: one
+    ``read_tensor`` each resolved and opened the file again (45,808 times for DeepSeek-V3).
+
+    Raises:
+        SourceError: a file that cannot be opened, or that ends inside a tensor.
+    """
+    by_file: dict[str, list[TensorInfo]] = {}
+    for info in infos:
+        by_file.setdefault(info.file, []).append(info)
+    out = {}
+    for rel, group in sorted(by_file.items()):
+        f, size = _open_regular(ckpt_root, rel, what="shard")
+        with f:
+            for info in sorted(group, key=lambda i: i.begin):
+                try:
+                    data = os.pread(f.fileno(), info.nbytes, info.begin) if info.nbytes else b""
+                except OSError as e:
+                    raise _fail(rel, f"cannot be read ({_reason(e)})") from None
+                if len(data) != info.nbytes:
+                    raise SourceError(f"{rel}: file ended inside tensor {info.name!r} (truncated?)")
+                out[(rel, info.begin)] = data
+    return out
 
 
 def chunk_ranges(info: TensorInfo, *, granule: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:

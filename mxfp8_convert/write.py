@@ -21,7 +21,7 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -34,13 +34,17 @@ from mxfp8_convert.format import COMPLETE_MARKER as COMPLETE_NAME
 from mxfp8_convert.format import PARTIAL_MANIFEST as MANIFEST_NAME
 from mxfp8_convert.format import PARTIAL_MANIFEST_PREFIX, PARTIAL_SUFFIX, part_manifest
 
-#: bytes per write() / writev(): 256 KiB writes ran 2-5x faster than 32 MiB ones on ext4 here
-#: (the chunk is still in the CPU cache when the kernel copies it); BENCHMARKS.md
+#: bytes per write() / writev(), and per step of the one pass over each chunk (scan, hashes,
+#: write): 256 KiB writes ran 2-5x faster than 32 MiB ones on ext4 here (the piece is still in
+#: the CPU cache when the kernel copies it); BENCHMARKS.md
 WRITE_PIECE = 256 << 10
+#: writes smaller than this are copied into one buffer and written together: a thread hand-off
+#: per small tensor cost ~0.2 ms, which dominated checkpoints of many small tensors
+COALESCE_BYTES = 1 << 20
 #: iovecs per writev() (Linux's IOV_MAX)
 _IOV_MAX = 1024
-#: every this many bytes written, a shard's written pages are handed to writeback and the clean
-#: ones dropped from the page cache (``ShardWriter._let_go``)
+#: every this many bytes written, the last window's pages are handed to writeback and the
+#: window before it (written back by then) dropped from the page cache (``ShardWriter._let_go``)
 WRITEBACK_BYTES = 32 << 20
 
 
@@ -74,11 +78,23 @@ def os_error(path: Path, e: OSError) -> OutputError:
     return OutputError(f"{path}: {e.strerror or e}")
 
 
+#: ``scan(piece, at)``: checks the bytes ``piece`` found at offset ``at`` of the data written;
+#: raises to refuse them (e.g. an e4m3 NaN). ``source``: a hasher (``update``) of those bytes.
+Scan = Callable[[memoryview, int], None]
+
+
 class ShardWriter:
     """Stream one safetensors file whose tensors (name, dtype, shape, nbytes) are known upfront.
 
     Tensors must be written in the order given, each exactly ``nbytes`` long; ``close()``
     checks that and returns ``(size, xxh3_128 hex)`` of the file.
+
+    Each queued chunk gets one pass on the writer thread, ``WRITE_PIECE`` bytes at a time while
+    the piece is in the CPU cache: the optional check (``scan``) and source hash, the output
+    hash, the write. (Three passes on three threads, each over the chunk from memory, cost more
+    CPU than the one pass: BENCHMARKS.md.) The caller reads and lays out the next chunk
+    meanwhile; at most ``depth`` chunks wait, bounding memory. Small writes are gathered and
+    handled on the caller's thread, which a hand-off would cost more than.
     """
 
     def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...], int]],
@@ -86,26 +102,20 @@ class ShardWriter:
         self.path = path
         header: dict = {"__metadata__": metadata} if metadata else {}
         pos = 0
-        self._sizes = []
         for name, dtype, shape, nbytes in entries:
             header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
             pos += nbytes
-            self._sizes.append((name, nbytes))
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
         self._expected = 8 + len(raw) + pos
         self._hash = xxhash.xxh3_128()
-        self._written = 0
-        # Background threads write and hash queued chunks (both release the GIL) while the
-        # caller reads and lays out the next; at most `depth` chunks wait, bounding memory.
-        # Writing and hashing run on threads of their own (each in queue order), so a chunk is
-        # hashed while the previous one is written: on two cores this measured ~1.2x faster
-        # than one thread doing both, one after the other.
+        self._written = 0  # bytes accepted
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-write")
-        self._hasher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-hash")
         self._pending: deque = deque()
         self._depth = depth
-        self._unadvised = 0  # bytes written since the last _let_go (writer thread only)
+        self._small = bytearray()  # gathered small writes, not yet handed to the writer thread
+        self._on_disk = 0  # bytes written to the file (writer thread only)
+        self._windows = (0, 0)  # starts of the last two windows handed to writeback (same)
         self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-flush")
         try:
             # raw: write() and os.writev() share the offset
@@ -120,101 +130,135 @@ class ShardWriter:
 
     def _drain(self, keep: int) -> None:
         while len(self._pending) > keep:
-            jobs, data, release = self._pending.popleft()
+            job, data, release = self._pending.popleft()
             try:
-                for job in jobs:
-                    job.result()
+                job.result()
             except OSError as e:
                 raise os_error(self.path, e) from None
             finally:
-                for job in jobs:  # neither thread may still read `data` when it is released
-                    if not job.done() and not job.cancel():
-                        concurrent.futures.wait([job])
+                if not job.done() and not job.cancel():  # the thread may not still read `data`
+                    concurrent.futures.wait([job])
                 if release is not None:
                     release(data)
 
-    def _write_raw(self, mv: memoryview) -> None:
-        for at in range(0, mv.nbytes, WRITE_PIECE):
-            piece = mv[at:at + WRITE_PIECE]
-            while piece.nbytes:
-                piece = piece[self._f.write(piece):]
+    def _write_all(self, piece: memoryview) -> None:
+        while piece.nbytes:
+            piece = piece[self._f.write(piece):]
 
-    def _then_let_go(self, n: int, write, *args) -> None:
-        write(*args)
-        self._unadvised += n
-        if self._unadvised >= WRITEBACK_BYTES:
-            self._unadvised = 0
-            self._flusher.submit(self._let_go)
+    def _wrote(self, n: int) -> None:
+        self._on_disk += n
+        before, last = self._windows
+        if self._on_disk - last >= WRITEBACK_BYTES:
+            self._flusher.submit(self._let_go, before, self._on_disk)
+            self._windows = (last, self._on_disk)
 
-    def _let_go(self) -> None:
-        """Start writeback of what this file holds so far, and drop its pages already written back.
+    def _let_go(self, begin: int, end: int) -> None:
+        """Start writeback of the bytes written since the last call, and drop the pages of the
+        window before (written back by now) from the page cache.
 
         A shard is not read again, and leaving gigabytes of it dirty in the page cache made the
         kernel throttle the writer (and reclaim other pages) once the output outgrew the dirty
         limits: on this project's 2-core VM a 4.33 GB conversion wrote its last shards at a
         third of the speed of its first. Handed over every ``WRITEBACK_BYTES``, the writes kept
-        their speed and the final fsync had almost nothing left to do (BENCHMARKS.md).
-        Only a hint: durability still comes from ``fsync_paths``.
+        their speed and the final fsync had almost nothing left to do (BENCHMARKS.md). Each
+        call covers two windows, not the whole file: advising from the start every time made
+        the cost grow with the file's size. Only a hint: durability comes from ``fsync_paths``.
         """
         try:
-            os.posix_fadvise(self._f.fileno(), 0, 0, os.POSIX_FADV_DONTNEED)
-        except (AttributeError, OSError):
+            os.posix_fadvise(self._f.fileno(), begin, end - begin, os.POSIX_FADV_DONTNEED)
+        except (AttributeError, OSError, ValueError):
             pass
 
-    @staticmethod
-    def _rows(view: memoryview, row_bytes: int, order: list[int]) -> Iterator[list[memoryview]]:
-        """The rows ``order[0], order[1], ...`` of ``view``, in groups of about ``WRITE_PIECE`` bytes."""
-        group = max(1, min(_IOV_MAX, WRITE_PIECE // row_bytes))
-        for i in range(0, len(order), group):
-            yield [view[r * row_bytes:(r + 1) * row_bytes] for r in order[i:i + group]]
+    def _one_pass(self, mv: memoryview, scan: Scan | None, source) -> None:
+        for at in range(0, mv.nbytes, WRITE_PIECE):
+            piece = mv[at:at + WRITE_PIECE]
+            if scan is not None:
+                scan(piece, at)
+            if source is not None:
+                source.update(piece)
+            self._hash.update(piece)
+            self._write_all(piece)
+            self._wrote(piece.nbytes)
 
-    def _write_rows(self, view: memoryview, row_bytes: int, order: list[int]) -> None:
+    def _rows_pass(self, mv: memoryview, row_bytes: int, order: list[int], group: int,
+                   scan: Scan | None, source) -> None:
+        """``_one_pass`` for a row permutation within blocks of ``group`` rows: each block's
+        source bytes are checked and hashed in source order, then its rows written in ``order``."""
         fd = self._f.fileno()
-        for rows in self._rows(view, row_bytes, order):
-            got = os.writev(fd, rows)
-            for piece in rows:  # after a short write: the rest, plainly
-                if got < piece.nbytes:
-                    self._write_raw(piece[got:])
-                got = max(0, got - piece.nbytes)
+        per_call = max(1, min(_IOV_MAX, WRITE_PIECE // row_bytes))
+        for b0 in range(0, len(order), group):
+            block = mv[b0 * row_bytes:(b0 + group) * row_bytes]
+            if scan is not None:
+                scan(block, b0 * row_bytes)
+            if source is not None:
+                source.update(block)
+            for i in range(b0, min(b0 + group, len(order)), per_call):
+                rows = [mv[r * row_bytes:(r + 1) * row_bytes] for r in order[i:min(i + per_call, b0 + group)]]
+                for piece in rows:
+                    self._hash.update(piece)
+                got = os.writev(fd, rows)
+                for piece in rows:  # after a short write: the rest, plainly
+                    if got < piece.nbytes:
+                        self._write_all(piece[got:])
+                    got = max(0, got - piece.nbytes)
+            self._wrote(block.nbytes)
 
-    def _hash_rows(self, view: memoryview, row_bytes: int, order: list[int]) -> None:
-        for rows in self._rows(view, row_bytes, order):
-            for piece in rows:
-                self._hash.update(piece)
-
-    def copy_rows(self, row_bytes: int, order: list[int], view: torch.Tensor, release=None) -> None:
+    def copy_rows(self, row_bytes: int, order: list[int], view, release=None, *,
+                  group: int = 32, scan: Scan | None = None, source=None) -> None:
         """Queue the rows of ``view`` (``row_bytes`` each) in the given order.
 
-        A row permutation (the P32 shuffle) written straight from the source mapping with
-        vectored writes of ``WRITE_PIECE`` bytes: no shuffled copy in memory. On this project's
-        machine 2-3x faster than one copy_file_range per row for 8 KiB rows.
+        ``order`` permutes rows within consecutive blocks of ``group`` rows (the P32 shuffle):
+        written straight from the source mapping with vectored writes of ``WRITE_PIECE`` bytes,
+        no shuffled copy in memory. On this project's machine 2-3x faster than one
+        copy_file_range per row for 8 KiB rows. ``scan`` and ``source`` see the bytes in their
+        source order.
         """
         mv = _as_memoryview(view)
-        jobs = (self._writer.submit(self._then_let_go, mv.nbytes, self._write_rows, mv, row_bytes, order),
-                self._hasher.submit(self._hash_rows, mv, row_bytes, order))
-        self._enqueue(jobs, mv, view, release)
+        self._flush_small()
+        self._enqueue(self._writer.submit(self._rows_pass, mv, row_bytes, order, group, scan, source),
+                      mv, view, release)
 
-    def write(self, data: torch.Tensor | bytes, release=None) -> None:
-        """Queue ``data`` to be appended to the file; ``release(data)`` is called once written.
-
-        The caller must not modify ``data`` until then.
-        """
+    def write(self, data, release=None, *, scan: Scan | None = None, source=None) -> None:
+        """Queue ``data`` to be appended to the file; ``release(data)`` is called once written
+        (or copied). The caller must not modify ``data`` until then. ``scan(piece, at)`` checks
+        every piece first, ``source.update(piece)`` hashes it."""
         mv = _as_memoryview(data)
-        jobs = (self._writer.submit(self._then_let_go, mv.nbytes, self._write_raw, mv),
-                self._hasher.submit(self._hash.update, mv))
-        self._enqueue(jobs, mv, data, release)
+        if mv.nbytes < COALESCE_BYTES:  # gathered: the caller's thread does the one pass
+            if scan is not None:
+                scan(mv, 0)
+            if source is not None:
+                source.update(mv)
+            self._small += mv
+            self._count(mv.nbytes)
+            if release is not None:
+                release(data)
+            if len(self._small) >= COALESCE_BYTES:
+                self._flush_small()
+            return
+        self._flush_small()
+        self._enqueue(self._writer.submit(self._one_pass, mv, scan, source), mv, data, release)
 
-    def _enqueue(self, jobs: tuple, mv: memoryview, data, release) -> None:
-        self._written += mv.nbytes
-        self._pending.append((jobs, data, release))
+    def _flush_small(self) -> None:
+        if self._small:
+            buf, self._small = self._small, bytearray()
+            self._pending.append((self._writer.submit(self._one_pass, memoryview(buf), None, None), buf, None))
+            self._drain(self._depth)
+
+    def _count(self, n: int) -> None:
+        self._written += n
         if self._written > self._expected:
             self._drain(0)
             raise OutputError(f"{self.path}: more bytes written than the header declares (bug)")
+
+    def _enqueue(self, job, mv: memoryview, data, release) -> None:
+        self._count(mv.nbytes)
+        self._pending.append((job, data, release))
         self._drain(self._depth)
 
     def close(self) -> tuple[int, str]:
         """Finish writing and flush to the OS (``fsync_paths`` makes it durable later)."""
         try:
+            self._flush_small()
             self._drain(0)
         except OSError as e:
             raise os_error(self.path, e) from None
@@ -222,18 +266,15 @@ class ShardWriter:
             self._writer.shutdown()
             self._flusher.shutdown()
             self._f.close()
-            self._hasher.shutdown()
         if self._written != self._expected:
             raise OutputError(f"{self.path}: wrote {self._written} bytes, header declares {self._expected} (bug)")
         return self._written, self._hash.hexdigest()
 
     def abort(self) -> None:
         """Stop, and remove the half-written file (ours: created by this writer)."""
-        for jobs, _, _ in self._pending:
-            for job in jobs:
-                job.cancel()
+        for job, _, _ in self._pending:
+            job.cancel()
         self._writer.shutdown(wait=True)
-        self._hasher.shutdown(wait=True)
         self._flusher.shutdown(wait=True)
         self._f.close()
         remove_created(self.path)

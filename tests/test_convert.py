@@ -253,8 +253,10 @@ def test_unchanged_bytes_are_written_from_the_source_mapping(tmp_path, monkeypat
 @pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
 def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path, monkeypatch, backend):
     """Every WRITEBACK_BYTES written, the shard's pages are handed to writeback and the clean
-    ones dropped (POSIX_FADV_DONTNEED), from the start of the file, before the shard is closed;
-    the bytes and hashes are those of a run without it, and the fd is still open when advised."""
+    ones dropped (POSIX_FADV_DONTNEED) before the shard is closed: each advice covers the bytes
+    written since the one before it and, again, those of the one before that (written back by
+    then, so now dropped), never the whole file again; the bytes and hashes are those of a run
+    without it, and the fd is still open when advised."""
     import os
 
     import mxfp8_convert.write as write
@@ -283,7 +285,10 @@ def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path
     shard = "model.safetensors"
     size = json.loads((tmp_path / "plain" / COMPLETE_MARKER).read_text())["files"][shard]["size"]
     mine = [c for c in calls if c[0].endswith(shard)]
-    assert len(mine) >= 2 and all(c[1:4] == (0, 0, os.POSIX_FADV_DONTNEED) for c in mine)
+    assert len(mine) >= 3 and all(c[3] == os.POSIX_FADV_DONTNEED for c in mine)
+    assert mine[0][1] == mine[1][1] == 0
+    assert all(c[1] + c[2] == c[4] for c in mine)  # up to all the file holds when advised
+    assert all(c[1] == before[1] + before[2] for before, c in zip(mine, mine[2:]))  # two windows each
     assert min(c[4] for c in mine) < size  # while the shard was still being written
     a = json.loads((tmp_path / "plain" / COMPLETE_MARKER).read_text())["files"]
     b = json.loads((tmp_path / "advised" / COMPLETE_MARKER).read_text())["files"]

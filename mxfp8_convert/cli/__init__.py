@@ -90,7 +90,7 @@ def convert_cmd(
     push_branch: Annotated[str | None, typer.Option("--push-branch", help="With --push-to-hub: the branch to upload to (created if needed).")] = None,
     num_parts: Annotated[int | None, typer.Option("--num-parts", help="Split the conversion by input shard into N parts (job arrays); see `finalize`.")] = None,
     part: Annotated[int | None, typer.Option("--part", help="With --num-parts: the part this task converts, 0..N-1 (e.g. $SLURM_ARRAY_TASK_ID).")] = None,
-    workers: Annotated[int, typer.Option("--workers", help="Shards converted in parallel on this machine.")] = 1,
+    workers: Annotated[int, typer.Option("--workers", help="Shards converted in parallel on this machine. Each worker's writer already keeps one core busy copying into the page cache, so more workers help only with cores and disk bandwidth to spare (not on 2 cores: BENCHMARKS.md).")] = 1,
     max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory budget for the workers, e.g. 8GiB (fewer workers run if needed).")] = None,
     moe: Annotated[str, typer.Option("--moe", help="Per-expert MoE weights (experts.<e>.{gate,up,down}_proj, w1/w3/w2). fuse: for trtllm, into the fused MoE kernel's [E, 2I, H] and [E, H, I] tensors (other backends: linears like any other); keep: leave them per-expert canonical MXFP8.")] = "fuse",
     quantize_towers: Annotated[bool, typer.Option("--quantize-towers", help="Dense sources: also quantize the linear layers outside the language model (vision/audio towers, projectors, task heads).")] = False,

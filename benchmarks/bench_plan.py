@@ -1,0 +1,73 @@
+"""Planning time at DeepSeek-V3 size: ``--dry-run`` and ``inspect`` of the sparse checkpoints that
+``make_deepseek_sparse.py`` builds (91,991 tensors in 163 shards; block-FP8 with real float32
+scales, and MXFP8), each a fresh CLI process, interleaved, optionally beside an older tree
+(``--baseline``: e.g. a commit's ``git archive``). Results as JSON under ``benchmarks/results/``.
+
+Usage: python benchmarks/bench_plan.py [--dir /tmp/bench-plan] [--repeat 3] [--baseline DIR]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+HERE = Path(__file__).parent
+
+
+def timed(cmd: list[str], env: dict) -> tuple[float, float]:
+    """Wall seconds and CPU seconds (user + system) of one child: on a shared machine the CPU
+    time is the steadier figure."""
+    before = resource.getrusage(resource.RUSAGE_CHILDREN)
+    t = time.perf_counter()
+    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+    wall = time.perf_counter() - t
+    after = resource.getrusage(resource.RUSAGE_CHILDREN)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--dir", default="/tmp/bench-plan")
+    ap.add_argument("--repeat", type=int, default=3)
+    ap.add_argument("--baseline")
+    ap.add_argument("--out", default=str(HERE / "results" / "plan.json"))
+    args = ap.parse_args()
+    base = Path(args.dir)
+    trees = {"new": os.environ.get("PYTHONPATH", str(HERE.parent))}
+    if args.baseline:
+        trees["baseline"] = str(Path(args.baseline).resolve())
+    rows = []
+    for fmt, scales in (("block_fp8", "real"), ("mxfp8", "holes")):
+        src = base / fmt
+        if not (src / "model.safetensors.index.json").exists():
+            subprocess.run([sys.executable, str(HERE / "make_deepseek_sparse.py"), str(src), "--format", fmt,
+                            "--scales", scales], check=True)
+        jobs = {"dry-run trtllm": ["--backend", "trtllm", "--dry-run", "--json", "-o", str(base / "out")],
+                "inspect": ["inspect", "--json"]}
+        times: dict[str, list[float]] = {}
+        for _ in range(args.repeat):
+            for tree, path in trees.items():
+                env = {**os.environ, "PYTHONPATH": path}
+                for job, extra in jobs.items():
+                    cmd = [sys.executable, "-P", "-m", "mxfp8_convert", *(["inspect", str(src), "--json"] if job == "inspect"
+                                                                    else [str(src), *extra])]
+                    times.setdefault(f"{job} {tree}", []).append(timed(cmd, env))
+        for name, ts in times.items():
+            wall, cpu = [w for w, _ in ts], [c for _, c in ts]
+            print(f"{fmt:9s} {name:24s} wall median {statistics.median(wall):6.2f} s (runs "
+                  f"{', '.join(f'{t:.2f}' for t in wall)})  CPU median {statistics.median(cpu):6.2f} s", flush=True)
+            rows.append({"format": fmt, "job": name, "wall_s": wall, "cpu_s": cpu})
+    Path(args.out).parent.mkdir(parents=True, exist_ok=True)
+    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                                          "command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
+
+
+if __name__ == "__main__":
+    main()
