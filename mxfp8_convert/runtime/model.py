@@ -23,11 +23,12 @@ import torch
 from torch import nn
 
 from mxfp8_convert.errors import LayoutError
+from mxfp8_convert.format import Marker
 from mxfp8_convert.plan import expert_key
 from mxfp8_convert.runtime.experts import ExpertsFace, MXFP8Experts, experts_face
 from mxfp8_convert.runtime.linear import MXFP8Linear
 from mxfp8_convert.runtime.load import MXFP8Checkpoint
-from mxfp8_convert.runtime.moe import FUSED_TENSORS, MXFP8MoEWeights, moe_blocks
+from mxfp8_convert.runtime.moe import MXFP8MoEWeights, moe_blocks
 from mxfp8_convert.runtime.weight import MXFP8Weight
 
 
@@ -138,7 +139,7 @@ def _load_fused(model, ck: _Named, ckpt, experts, engine, report, used) -> None:
         )
         _set_submodule(model, block, MXFP8Experts.fused(weights, engine))
         report.replaced.append(block)
-        names = {**FUSED_TENSORS, **(ckpt.marker["moe"].get("tensors") or {})}
+        names = Marker.parse(ckpt.marker, f"{ckpt.path}/config.json").moe.tensor_names()
         for suffix in names.values():
             ck.tensors.pop(f"{block}.{suffix}", None)
         used.add(block)
