@@ -20,6 +20,7 @@ from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.cli._errors import Interrupted, JsonErrorCommand, Terminated, handle_errors
 from mxfp8_convert.cli._output import Output, human_bytes, table
+from mxfp8_convert.format import CANONICAL_SUFFIX
 from mxfp8_convert.formats import FORMATS
 from mxfp8_convert.plan import MOE_MODES, ON_INELIGIBLE
 
@@ -285,7 +286,7 @@ def _left_summary(plan) -> list[list[str]]:
 def _backend_summary(name: str) -> str:
     spec = BACKENDS[name]
     if not spec.laid_out:
-        return f"{name} (plain MXFP8: weight_scale_inv uint8 [N, K/32])"
+        return f"{name} (plain MXFP8: {CANONICAL_SUFFIX} uint8 [N, K/32])"
     return f"{name} (weight {spec.weight_layout}, scale {spec.scale_layout})"
 
 
