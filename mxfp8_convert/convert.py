@@ -229,8 +229,9 @@ def convert(
                                  quantize_towers=quantize_towers,
                                  allow_no_quantized=allow_no_quantized, progress=progress)
     dest = Path(output) if output is not None else default_output(str(model), backend)
+    # an existing output: a real run checks under the lock; a dry run writes nothing (it is noted)
     check_destination(dest, ckpt.root, overwrite=overwrite, part=None if part is None else part[0],
-                      exists=dry_run)  # a real run checks again under the lock
+                      exists=False)
     if dry_run:
         return ConversionResult(str(ckpt.root), str(dest), plan, True, time.perf_counter() - t0, 0)
     params = {"source_fingerprint": plan.fingerprint, "backend": backend, "format": plan.format,

@@ -99,8 +99,7 @@ def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, re
         if s is not None:
             roles[s.name] = "weight_scale"
         n, k = (w.shape + (0, 0))[:2] if len(w.shape) == 2 else (0, 0)
-        stored = report.backend if laid_out and s is not None and s.name.endswith("." + SWIZZLED_SUFFIX) \
-            else CANONICAL_LAYOUT
+        stored = _stored_as(fmt, report.backend, s)
         report.modules.append(ModuleReport(module, list(w.shape), w.dtype, stored,
                                            {b: _why_not(BACKENDS[b], w, n, k) for b in KERNEL_BACKENDS}))
     report.moe = _per_expert_blocks(report.modules) + _fused_blocks(ckpt, roles)
@@ -115,6 +114,15 @@ def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, re
     for b in (*KERNEL_BACKENDS, "canonical"):
         report.actions[b] = _conversion(ckpt, fmt, b, lossless)
     return report
+
+
+def _stored_as(fmt, backend: str | None, scale) -> str:
+    """How a module is stored now: a backend's layout, ``canonical`` MXFP8, or the source's own
+    scheme (``block_fp8``, ``fp8``, ``dense``: the kinds of ``formats.FORMATS``)."""
+    if fmt.kind == "laid_out":
+        swizzled = scale is not None and scale.name.endswith("." + SWIZZLED_SUFFIX)
+        return backend if swizzled else CANONICAL_LAYOUT
+    return CANONICAL_LAYOUT if fmt.kind == "mxfp8" else fmt.kind
 
 
 def _per_expert_blocks(modules: list[ModuleReport]) -> list[MoEReport]:

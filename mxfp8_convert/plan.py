@@ -67,6 +67,8 @@ EXPERT_PROJS = {
 MOE_BACKENDS = ("trtllm",)
 #: what ``--moe`` may say: fuse per-expert weights (where the backend can), or keep them canonical
 MOE_MODES = ("fuse", "keep")
+#: what ``--on-ineligible`` may say: fail listing every offender, or keep them canonical
+ON_INELIGIBLE = ("error", "keep")
 _MOE_DTYPES = {
     "moe_fc1_weight": ("F8_E4M3", moe_fc1_weight_shape),
     "moe_fc1_scale": ("U8", moe_fc1_scale_shape),
@@ -698,9 +700,28 @@ def _module_plans(ckpt, fmt, backend: BackendSpec, ignored: set[str], on_ineligi
                   towers: bool, lossless: dict[str, bool] | None = None,
                   ) -> tuple[list[ModulePlan], list[MoELayerPlan], list[Unquantized]]:
     src = _source_backend(ckpt, fmt)
-    if src is not None and src.name == backend.name:
+    plans, layers, unq = _plan_modules(ckpt, fmt, src, backend, ignored, on_ineligible, moe, towers,
+                                       lossless)
+    if src is not None and src.name == backend.name and _changes_nothing(plans, layers, backend):
         raise FormatError(f"{ckpt.root}: already laid out for {backend.name}",
                           hint="nothing to do; use --backend canonical to get plain MXFP8 back")
+    return plans, layers, unq
+
+
+def _changes_nothing(plans: list[ModulePlan], layers: list[MoELayerPlan], backend: BackendSpec) -> bool:
+    """Whether converting a checkpoint laid out for ``backend`` to ``backend`` again would
+    write what it holds: no module it kept canonical (``--moe keep``, ``--on-ineligible keep``)
+    is laid out now, no block is fused or un-fused."""
+    def same(m: ModulePlan) -> bool:
+        was = m.source_backend == backend.name
+        return m.fused is None and was == (m.layout == backend.weight_layout)
+
+    return all(same(m) for m in plans) and all(m.fused is not None for layer in layers for m in layer.modules)
+
+
+def _plan_modules(ckpt, fmt, src: BackendSpec | None, backend: BackendSpec, ignored: set[str],
+                  on_ineligible, moe: str, towers: bool, lossless: dict[str, bool] | None
+                  ) -> tuple[list[ModulePlan], list[MoELayerPlan], list[Unquantized]]:
     found = _candidates(ckpt, fmt, src, backend, ignored, towers, lossless)
     unq = list(found.unquantized)
     dense, blocks = _split_experts(found.modules)
@@ -1001,7 +1022,7 @@ def build_plan(
         LayoutError / SourceError / FormatError: malformed pairs, missing partners or experts,
             unsupported format, an ``ignore`` pattern matching nothing, nothing to convert.
     """
-    if on_ineligible not in ("error", "keep"):
+    if on_ineligible not in ON_INELIGIBLE:
         raise FormatError(f"--on-ineligible must be 'error' or 'keep', got {on_ineligible!r}")
     if moe not in MOE_MODES:
         raise FormatError(f"--moe must be 'fuse' or 'keep', got {moe!r}")

@@ -237,9 +237,14 @@ def _quantized(errors: dict) -> str | None:
     if not errors:
         return None
     actions = Counter(e.get("action", "?") for e in errors.values())
-    worst = min(errors, key=lambda n: errors[n].get("sqnr_db", float("inf")))
+    def sqnr(n: str) -> float:  # null: exact (infinite SQNR)
+        v = errors[n].get("sqnr_db")
+        return float("inf") if v is None else v
+
+    worst = min(errors, key=sqnr)
+    lowest = "exact" if sqnr(worst) == float("inf") else f"{sqnr(worst):.1f} dB"
     return (", ".join(f"{n} {a}" for a, n in sorted(actions.items()))
-            + f"; lowest SQNR {errors[worst].get('sqnr_db', float('nan')):.1f} dB (`{worst}`)")
+            + f"; lowest SQNR {lowest} (`{worst}`)")
 
 
 def _provenance(facts: OutputFacts, source_repo: str | None, source_commit: str | None,

@@ -49,8 +49,14 @@ class QuantError:
     rel_fro: float
     sqnr_db: float
 
-    def to_dict(self) -> dict[str, float]:
-        return {"rel_fro": self.rel_fro, "sqnr_db": self.sqnr_db}
+    def to_dict(self) -> dict[str, float | None]:
+        """JSON-safe (RFC 8259 has no infinities): a non-finite value is ``None``, so an exact
+        module (``rel_fro`` 0) has ``sqnr_db: null`` (docs/FORMAT.md section 1a)."""
+        return {"rel_fro": _finite(self.rel_fro), "sqnr_db": _finite(self.sqnr_db)}
+
+
+def _finite(v: float) -> float | None:
+    return v if math.isfinite(v) else None
 
 
 @dataclass(frozen=True, slots=True)

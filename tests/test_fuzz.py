@@ -338,7 +338,9 @@ def test_fuzz_cli_exit_code_and_one_line(tmp_path, base, data, capsys):
         assert json.loads(out)["output"] == str(dest) and (dest / "mxfp8_convert.complete.json").exists()
     else:
         lines = err.strip().splitlines()
-        assert out == "" and lines[0].startswith("Error: ") and len(lines) <= 2, err
+        assert lines[0].startswith("Error: ") and len(lines) <= 2, err
+        assert json.loads(out) == {"ok": False, "error": lines[0][len("Error: "):],
+                                   "hint": lines[1][len("Hint: "):] if len(lines) == 2 else None}
         assert len(lines) == 1 or lines[1].startswith("Hint: "), err
         assert not dest.exists()
     assert leftovers(work) == []

@@ -327,7 +327,7 @@ def test_cli_moe_option(sources, tmp_path, capsys):
     doc = json.loads(capsys.readouterr().out)
     assert [m["name"] for m in doc["plan"]["moe_layers"]] == list(BLOCKS)
     assert main([str(src), "-b", "trtllm", "-o", str(tmp_path / "o"), "--moe", "nope"]) == 2
-    assert "'nope' is not one of: fuse, keep" in capsys.readouterr().err
+    assert "'nope' is not one of 'fuse', 'keep'." in capsys.readouterr().err
 
 
 # --- memory ---------------------------------------------------------------------------------

@@ -7,15 +7,33 @@ are subcommands. Exit codes: 0 done, 1 conversion/verification failed, 2 usage e
 
 from __future__ import annotations
 
+import enum
+import math
 import signal
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 
 from mxfp8_convert._version import __version__
-from mxfp8_convert.cli._errors import Interrupted, Terminated, handle_errors
+from mxfp8_convert.backends import BACKENDS
+from mxfp8_convert.cli._errors import Interrupted, JsonErrorCommand, Terminated, handle_errors
 from mxfp8_convert.cli._output import Output, human_bytes, table
+from mxfp8_convert.format import CANONICAL_SUFFIX
+from mxfp8_convert.formats import FORMATS
+from mxfp8_convert.plan import MOE_MODES, ON_INELIGIBLE
+
+
+def _choices(name: str, values) -> type[enum.Enum]:
+    """A str Enum of the table's names: Typer checks the value and names the choices (exit 2)."""
+    return enum.Enum(name, {v: v for v in values}, type=str)
+
+
+Backend = _choices("Backend", BACKENDS)
+SourceFormat = _choices("SourceFormat", (f.name for f in FORMATS))
+OnIneligible = _choices("OnIneligible", ON_INELIGIBLE)
+MoEMode = _choices("MoEMode", MOE_MODES)
 
 EPILOG = """\
 Examples:
@@ -72,16 +90,16 @@ def _root(
     """Lay out MXFP8 checkpoints offline for FlashInfer's mm_mxfp8 (trtllm or cutlass)."""
 
 
-@app.command("convert", epilog=EPILOG)
+@app.command("convert", epilog=EPILOG, cls=JsonErrorCommand)
 def convert_cmd(
     model: ModelArg,
-    backend: Annotated[str, typer.Option("--backend", "-b", help="Target layout: trtllm, cutlass, or canonical (plain MXFP8, the way back).",
+    backend: Annotated[Backend, typer.Option("--backend", "-b", help="Target layout: trtllm, cutlass, or canonical (plain MXFP8, the way back).",
                                          show_default=False)],
     output: Annotated[str | None, typer.Option("--output", "-o", help="Output folder [default: MODEL-BACKEND beside MODEL].")] = None,
     overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")] = False,
     dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.")] = False,
-    source_format: Annotated[str | None, typer.Option("--source-format", help="Override format detection (see `inspect`).")] = None,
-    on_ineligible: Annotated[str, typer.Option("--on-ineligible", help="error: fail listing tensors the backend cannot take; keep: leave them canonical MXFP8.")] = "error",
+    source_format: Annotated[SourceFormat | None, typer.Option("--source-format", help="Override format detection (see `inspect`).")] = None,
+    on_ineligible: Annotated[OnIneligible, typer.Option("--on-ineligible", help="error: fail listing tensors the backend cannot take; keep: leave them canonical MXFP8.")] = OnIneligible.error,
     ignore: Annotated[list[str] | None, typer.Option("--ignore", help="Module name pattern to leave untouched (repeatable).")] = None,
     revision: RevisionOpt = None,
     fresh: Annotated[bool, typer.Option("--fresh", help="Discard an interrupted earlier run instead of resuming it.")] = False,
@@ -92,7 +110,7 @@ def convert_cmd(
     part: Annotated[int | None, typer.Option("--part", help="With --num-parts: the part this task converts, 0..N-1 (e.g. $SLURM_ARRAY_TASK_ID).")] = None,
     workers: Annotated[int, typer.Option("--workers", help="Shards converted in parallel on this machine. Each worker's writer already keeps one core busy copying into the page cache, so more workers help only with cores and disk bandwidth to spare (not on 2 cores: BENCHMARKS.md).")] = 1,
     max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory budget for the workers, e.g. 8GiB (fewer workers run if needed).")] = None,
-    moe: Annotated[str, typer.Option("--moe", help="Per-expert MoE weights (experts.<e>.{gate,up,down}_proj, w1/w3/w2). fuse: for trtllm, into the fused MoE kernel's [E, 2I, H] and [E, H, I] tensors (other backends: linears like any other); keep: leave them per-expert canonical MXFP8.")] = "fuse",
+    moe: Annotated[MoEMode, typer.Option("--moe", help="Per-expert MoE weights (experts.<e>.{gate,up,down}_proj, w1/w3/w2). fuse: for trtllm, into the fused MoE kernel's [E, 2I, H] and [E, H, I] tensors (other backends: linears like any other); keep: leave them per-expert canonical MXFP8.")] = MoEMode.fuse,
     quantize_towers: Annotated[bool, typer.Option("--quantize-towers", help="Dense sources: also quantize the linear layers outside the language model (vision/audio towers, projectors, task heads).")] = False,
     allow_no_quantized: Annotated[bool, typer.Option("--allow-no-quantized", help="Write a plain copy when no module would be converted (otherwise an error).")] = False,
     as_json: JsonOpt = False,
@@ -100,18 +118,15 @@ def convert_cmd(
     debug: DebugOpt = False,
 ) -> None:
     """Convert MODEL to the layout of --backend and write a checkpoint that says so."""
-    from mxfp8_convert import BACKENDS, convert
+    from mxfp8_convert import convert
 
     out = Output(as_json=as_json, quiet=quiet)
-    if backend not in BACKENDS:
-        raise typer.BadParameter(f"{backend!r} is not one of: {', '.join(BACKENDS)}", param_hint="--backend")
-    if on_ineligible not in ("error", "keep"):
-        raise typer.BadParameter(f"{on_ineligible!r} is not one of: error, keep", param_hint="--on-ineligible")
-    if moe not in ("fuse", "keep"):
-        raise typer.BadParameter(f"{moe!r} is not one of: fuse, keep", param_hint="--moe")
     if (num_parts is None) != (part is None):
         raise typer.BadParameter("--num-parts and --part go together", param_hint="--part")
-    if num_parts is not None and (num_parts < 1 or not 0 <= part < num_parts):
+    if num_parts is not None and num_parts < 1:
+        raise typer.BadParameter(f"{num_parts} is not a number of parts (at least 1)",
+                                 param_hint="--num-parts")
+    if num_parts is not None and not 0 <= part < num_parts:
         raise typer.BadParameter(f"--part {part} is not in 0..{num_parts - 1}", param_hint="--part")
     if num_parts is not None and push_to_hub is not None:
         raise typer.BadParameter("push after `finalize`, not from a part", param_hint="--push-to-hub")
@@ -123,11 +138,12 @@ def convert_cmd(
     if push_to_hub is not None and dry_run:
         raise typer.BadParameter("--dry-run writes nothing to push", param_hint="--push-to-hub")
     with handle_errors(out, debug=debug), out.progress() as on_progress:
-        result = convert(model, backend, output, overwrite=overwrite, dry_run=dry_run,
-                         source_format=source_format, on_ineligible=on_ineligible, ignore=ignore,
+        result = convert(model, backend.value, output, overwrite=overwrite, dry_run=dry_run,
+                         source_format=source_format and source_format.value,
+                         on_ineligible=on_ineligible.value, ignore=ignore,
                          revision=revision, fresh=fresh, hub_repo_id=push_to_hub, progress=on_progress,
                          part=(part, num_parts) if num_parts is not None else None, workers=workers,
-                         max_memory=budget, moe=moe, quantize_towers=quantize_towers,
+                         max_memory=budget, moe=moe.value, quantize_towers=quantize_towers,
                          allow_no_quantized=allow_no_quantized)
     doc = result.to_dict()
     if push_to_hub is not None:
@@ -167,7 +183,7 @@ def parse_size(text: str) -> int:
     return int(value * factor)
 
 
-@app.command("finalize")
+@app.command("finalize", cls=JsonErrorCommand)
 def finalize_cmd(
     path: Annotated[str, typer.Argument(metavar="OUT", help="The output the parts were converted to.")],
     source: Annotated[str | None, typer.Option("--source", help="The source, if not at the path the parts recorded.")] = None,
@@ -205,15 +221,18 @@ def _render_convert(console, result, push: dict | None = None) -> None:
             console.print(table("Left as they are", ["weight", "shape", "kind", "decided by", "why"],
                                 [[u.name, "x".join(map(str, u.shape)), u.kind, u.decided_by, u.why]
                                  for u in plan.unquantized]))
+        console.print(table("Tensors by role", ["role", "layout", "dtype", "tensors", "bytes"],
+                            _tensors_by_role(plan)))
         console.print(table("Shards", ["file", "tensors", "bytes"],
                             [[s.name, len(s.tensors), human_bytes(s.nbytes)] for s in plan.shards]))
-        console.print(f"Dry run: nothing written. Output would be {result.output}")
+        exists = " (it exists: a real run needs --overwrite)" if Path(result.output).exists() else ""
+        console.print(f"Dry run: nothing written. Output would be {result.output}{exists}")
         return
     d = plan.to_dict()
     summary = [
         ["source", f"{result.source} ({plan.format})"],
         ["output", result.output],
-        ["backend", f"{plan.backend} (weight {plan.marker['weight_layout']}, scale {plan.marker['scale_layout']})"],
+        ["backend", _backend_summary(plan.backend)],
         ["modules", ", ".join(f"{v} {k}" for k, v in d["modules_by_action"].items()) or "none"],
         ["tensors", str(sum(len(s.tensors) for s in plan.shards))],
         ["shards", str(len(plan.shards))],
@@ -227,10 +246,7 @@ def _render_convert(console, result, push: dict | None = None) -> None:
     if plan.kept:
         summary.append(["kept canonical", _kept_summary(plan.kept)])
     summary += _left_summary(plan)
-    if result.quantization_errors:
-        worst = min(result.quantization_errors.items(), key=lambda kv: kv[1]["sqnr_db"])
-        summary.append(["requantized", f"{len(result.quantization_errors)} modules; worst SQNR "
-                        f"{worst[1]['sqnr_db']:.1f} dB (rel. error {worst[1]['rel_fro']:.2e}) in {worst[0]}"])
+    summary += _error_summary(result.quantization_errors)
     if push:
         summary.append(["pushed", f"{push['repo_id']} ({push['commit_url']})"])
     console.print(table("Converted", ["", ""], summary))
@@ -267,6 +283,44 @@ def _left_summary(plan) -> list[list[str]]:
     return rows
 
 
+def _backend_summary(name: str) -> str:
+    spec = BACKENDS[name]
+    if not spec.laid_out:
+        return f"{name} (plain MXFP8: {CANONICAL_SUFFIX} uint8 [N, K/32])"
+    return f"{name} (weight {spec.weight_layout}, scale {spec.scale_layout})"
+
+
+#: summary label of the modules whose error is reported, by plan action (plan.ACTIONS)
+ERROR_LABELS = {"quantize": "quantized", "requantize": "requantized"}
+
+
+def _error_summary(errors: dict) -> list[list[str]]:
+    """One row per action: how many modules, and the worst SQNR (null: exact, infinite SQNR)."""
+    by_action: dict[str, dict] = {}
+    for name, e in errors.items():
+        by_action.setdefault(e["action"], {})[name] = e
+    rows = []
+    for action, errs in by_action.items():
+        worst = min(errs, key=lambda n: math.inf if errs[n]["sqnr_db"] is None else errs[n]["sqnr_db"])
+        e = errs[worst]
+        sqnr = "exact" if e["sqnr_db"] is None else f"{e['sqnr_db']:.1f} dB"
+        rel = "" if e["rel_fro"] is None else f" (rel. error {e['rel_fro']:.2e})"
+        rows.append([ERROR_LABELS.get(action, action),
+                     f"{len(errs)} modules; worst SQNR {sqnr}{rel} in {worst}"])
+    return rows
+
+
+def _tensors_by_role(plan) -> list[list]:
+    """Every output tensor counted by (role, layout, dtype); --json lists them one by one."""
+    groups: dict[tuple[str, str, str], list[int]] = {}
+    for shard in plan.shards:
+        for t in shard.tensors:
+            g = groups.setdefault((t.role, t.layout, t.dtype), [0, 0])
+            g[0] += 1
+            g[1] += t.nbytes
+    return [[*key, n, human_bytes(b)] for key, (n, b) in sorted(groups.items())]
+
+
 def _kept_summary(kept: tuple[str, ...]) -> str:
     """Kept modules by name, experts counted per MoE block (a model has thousands)."""
     from mxfp8_convert.plan import expert_key
@@ -282,12 +336,12 @@ def _kept_summary(kept: tuple[str, ...]) -> str:
     return ", ".join(names + [f"{b} ({n} expert projections)" for b, n in blocks.items()])
 
 
-@app.command("verify")
+@app.command("verify", cls=JsonErrorCommand)
 def verify_cmd(
     path: Annotated[str, typer.Argument(metavar="OUT", help="A folder written by mxfp8-convert.")],
     source: Annotated[str | None, typer.Option("--source", help="The checkpoint it was converted from: invert every layout and compare bytes.")] = None,
     no_hashes: Annotated[bool, typer.Option("--no-hashes", help="Skip re-hashing every file.")] = False,
-    source_format: Annotated[str | None, typer.Option("--source-format", help="The source's format [default: the one the output records].")] = None,
+    source_format: Annotated[SourceFormat | None, typer.Option("--source-format", help="The source's format [default: the one the output records].")] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -298,13 +352,18 @@ def verify_cmd(
 
     out = Output(as_json=as_json, quiet=quiet)
     with handle_errors(out, debug=debug):
-        report = verify(path, source, check_hashes=not no_hashes, source_format=source_format)
-    out.result(report.to_dict(), lambda console: _render_verify(console, report))
-    if not report.ok:
-        first = report.mismatches[0]
-        more = f" (+{len(report.mismatches) - 1} more)" if len(report.mismatches) > 1 else ""
-        out.error(f"verification failed: {first}{more}")
-        raise typer.Exit(1)
+        report = verify(path, source, check_hashes=not no_hashes,
+                        source_format=source_format and source_format.value)
+    if report.ok:
+        out.result(report.to_dict(), lambda console: _render_verify(console, report))
+        return
+    first = report.mismatches[0]
+    more = f" (+{len(report.mismatches) - 1} more)" if len(report.mismatches) > 1 else ""
+    message = f"verification failed: {first}{more}"
+    out.result({**report.to_dict(), "error": message, "hint": None},
+               lambda console: _render_verify(console, report))
+    out.error(message)
+    raise typer.Exit(1)
 
 
 def _render_verify(console, report) -> None:
@@ -319,10 +378,10 @@ def _render_verify(console, report) -> None:
                             [[m.where, m.what, str(m.position)] for m in report.mismatches[:50]]))
 
 
-@app.command("inspect")
+@app.command("inspect", cls=JsonErrorCommand)
 def inspect_cmd(
     path: ModelArg,
-    source_format: Annotated[str | None, typer.Option("--source-format", help="Override format detection.")] = None,
+    source_format: Annotated[SourceFormat | None, typer.Option("--source-format", help="Override format detection.")] = None,
     revision: RevisionOpt = None,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
@@ -333,7 +392,8 @@ def inspect_cmd(
 
     out = Output(as_json=as_json)
     with handle_errors(out, debug=debug):
-        report = inspect_checkpoint(path, source_format=source_format, revision=revision)
+        report = inspect_checkpoint(path, source_format=source_format and source_format.value,
+                                    revision=revision)
     out.result(report.to_dict(), lambda console: _render_inspect(console, report))
 
 

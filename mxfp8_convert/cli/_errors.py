@@ -2,7 +2,8 @@
 
 Exit codes: 0 success, 1 failed conversion or verification, 2 usage error (Typer's default),
 130 interrupted (SIGINT), 143 terminated (SIGTERM). Exceptions not in the table are bugs and
-keep their traceback.
+keep their traceback. With ``--json`` every failure, usage errors and bugs included, also prints
+one error document on stdout: ``{"ok": false, "error": MESSAGE, "hint": HINT or null}``.
 """
 
 from __future__ import annotations
@@ -13,10 +14,15 @@ from collections.abc import Callable
 from contextlib import contextmanager
 
 import typer
+from typer.core import TyperCommand
 
 from mxfp8_convert.errors import ConvertError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
+
+#: the base of every command-line usage error (missing or bad option values, unknown options):
+#: Click's ``UsageError``, vendored inside Typer, reached through the one name Typer exports
+UsageError = typer.BadParameter.__base__
 
 
 class Interrupted(BaseException):
@@ -50,11 +56,13 @@ HINTS = {
     EXIT_SIGINT: "rerun the same command to resume from the files already finished",
     EXIT_SIGTERM: "rerun the same command to resume from the files already finished",
 }
+BUG_HINT = "this is a bug in mxfp8-convert: rerun with --debug and report the traceback"
 
 
 @contextmanager
 def handle_errors(out, *, debug: bool = False):
-    """Turn known exceptions into ``Error: ...`` (+ ``Hint: ...``) on stderr and an exit code."""
+    """Turn known exceptions into ``Error: ...`` (+ ``Hint: ...``) on stderr and an exit code;
+    with ``--json``, also the error document on stdout. Unknown exceptions are re-raised."""
     debug = debug or bool(os.environ.get("MXFP8_CONVERT_DEBUG"))
     try:
         yield
@@ -65,6 +73,37 @@ def handle_errors(out, *, debug: bool = False):
             if isinstance(e, kind):
                 if debug:
                     traceback.print_exc()
-                out.error(message(e), getattr(e, "hint", None) or HINTS.get(code))
+                out.fail(message(e), getattr(e, "hint", None) or HINTS.get(code))
                 raise typer.Exit(code) from None
+        if out.as_json:
+            out.error_document(f"internal error: {type(e).__name__}: {e}", BUG_HINT)
+        raise
+
+
+class JsonErrorCommand(TyperCommand):
+    """A command whose usage errors also print the ``--json`` error document on stdout.
+
+    Typer still prints its own usage message on stderr and exits 2.
+    """
+
+    def parse_args(self, ctx, args: list[str]) -> list[str]:
+        with _usage_document("--json" in args):
+            return super().parse_args(ctx, args)
+
+    def invoke(self, ctx):
+        with _usage_document(bool(ctx.params.get("as_json"))):
+            return super().invoke(ctx)
+
+
+@contextmanager
+def _usage_document(as_json: bool):
+    try:
+        yield
+    except UsageError as e:
+        if as_json:
+            from mxfp8_convert.cli._output import Output
+
+            ctx = getattr(e, "ctx", None)
+            hint = f"see `{ctx.command_path} --help`" if ctx is not None else None
+            Output(as_json=True).error_document(e.format_message(), hint)
         raise

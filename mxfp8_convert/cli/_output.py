@@ -1,8 +1,10 @@
 """All terminal output of the CLI goes through here.
 
 stdout carries only the result: a rich table for people, or exactly one JSON document with
-``--json``. Progress, warnings, hints and errors go to stderr, so piping stdout always works.
-Colour and progress are off when stderr is not a terminal or ``--json`` is set.
+``--json`` (RFC 8259: no NaN or Infinity; a failure prints the error document
+``{"ok": false, "error": ..., "hint": ...}`` instead). Progress, warnings, hints and errors go
+to stderr, so piping stdout always works. Colour and progress are off when stderr is not a
+terminal or ``--json`` is set.
 """
 
 from __future__ import annotations
@@ -35,12 +37,36 @@ class Output:
         return not self.as_json and not self.quiet and sys.stderr.isatty()
 
     def result(self, doc: dict, render=None) -> None:
-        """Print the result: one JSON document with --json, else ``render(console)``."""
+        """Print the result: one JSON document with --json, else ``render(console)``.
+
+        Raises:
+            ValueError: ``doc`` holds a NaN or an infinity (a bug: the error document is
+                printed instead, so stdout still holds valid JSON).
+        """
+        if not self.as_json:
+            if render is not None:
+                render(self.out)
+            return
+        try:
+            text = json.dumps(doc, indent=2, sort_keys=False, default=str, allow_nan=False)
+        except ValueError as e:
+            self.error_document(f"internal error: result is not valid JSON ({e})",
+                                "this is a bug in mxfp8-convert: please report it")
+            raise
+        sys.stdout.write(text + "\n")
+        sys.stdout.flush()
+
+    def error_document(self, msg: str, hint: str | None = None) -> None:
+        """The ``--json`` document of a failure, on stdout."""
+        doc = {"ok": False, "error": msg, "hint": hint}
+        sys.stdout.write(json.dumps(doc, indent=2) + "\n")
+        sys.stdout.flush()
+
+    def fail(self, msg: str, hint: str | None = None) -> None:
+        """A failure: ``Error:`` / ``Hint:`` on stderr and, with --json, the error document."""
+        self.error(msg, hint)
         if self.as_json:
-            sys.stdout.write(json.dumps(doc, indent=2, sort_keys=False, default=str) + "\n")
-            sys.stdout.flush()
-        elif render is not None:
-            render(self.out)
+            self.error_document(msg, hint)
 
     def info(self, msg: str) -> None:
         if not self.quiet and not self.as_json:
@@ -77,7 +103,8 @@ class Output:
 
 
 def table(title: str, columns: list[str], rows: list[list]) -> Table:
-    t = Table(title=title, title_justify="left")
+    """A rich table; without a header row when every column name is empty (key-value tables)."""
+    t = Table(title=title, title_justify="left", show_header=any(columns))
     for c in columns:
         t.add_column(c, overflow="fold")
     for r in rows:

@@ -3,7 +3,9 @@
 Semantics, on every engine: ``y = bf16(fq(x) @ dq(W).T + bias)``, where ``fq`` quantizes the
 activations to MXFP8 with FlashInfer's recipe (as SM100 kernels are fed) and ``dq`` is the exact
 dequantization of the stored weight; products are exact and sums are float32. (The flashinfer
-engine adds the bias to its bf16 output, so it rounds twice.) Inference only: no autograd.
+engine adds the bias to its bf16 output, so it rounds twice.) ``y`` is returned in ``x``'s dtype
+(bf16, fp16 or fp32; the kernels write bf16, so fp32 and fp16 outputs carry bf16 precision).
+Inference only: no autograd.
 """
 
 from __future__ import annotations
@@ -18,6 +20,15 @@ from mxfp8_convert.runtime.select import ENGINES, ENV_ENGINE, check_engine
 from mxfp8_convert.runtime.weight import MXFP8Weight
 
 _CHECKED: dict[tuple[str, str, str, str], str] = {}
+#: activation dtypes every engine takes (FlashInfer's mxfp8_quantize: bf16/fp16; fp32 is cast)
+INPUT_DTYPES = (torch.bfloat16, torch.float16, torch.float32)
+
+
+def check_input_dtype(x: torch.Tensor, what: str) -> None:
+    """Raise LayoutError unless ``x`` is bf16, fp16 or fp32 (token ids are not activations)."""
+    if x.dtype not in INPUT_DTYPES:
+        raise LayoutError(f"{what or 'weight'}: input dtype {x.dtype} is not bf16, fp16 or fp32",
+                          hint="MXFP8 layers take activations; embed token ids first")
 
 
 def _engine_for(engine: str, device: torch.device, layout: str) -> str:
@@ -45,10 +56,10 @@ def mxfp8_linear(
         engine: ``"auto"``, ``"flashinfer"``, ``"triton"`` or ``"reference"`` (see ``select.py``).
 
     Returns:
-        bf16 ``[..., N]``.
+        ``[..., N]`` in ``x``'s dtype (bf16 precision).
 
     Raises:
-        LayoutError: ``x``'s last dim is not ``K``, or devices differ.
+        LayoutError: ``x`` is not bf16/fp16/fp32, its last dim is not ``K``, or devices differ.
         BackendUnavailableError / MarkerError: the engine cannot run this layout here.
 
     Example:
@@ -57,6 +68,7 @@ def mxfp8_linear(
         torch.Size([4, 256])
     """
     n, k = weight.shape
+    check_input_dtype(x, weight.name)
     if x.shape[-1] != k:
         raise LayoutError(f"{weight.name or 'weight'}: input has {x.shape[-1]} features, weight expects {k}")
     if x.device != weight.device:
@@ -64,14 +76,15 @@ def mxfp8_linear(
     name = _engine_for(engine, x.device, weight.layout)
     x2d = x.reshape(-1, k)
     out = ENGINES[name].run(x2d, weight, bias)
-    return out.reshape(*x.shape[:-1], n)
+    return out.reshape(*x.shape[:-1], n).to(x.dtype)
 
 
 class MXFP8Linear(nn.Module):
     """Drop-in inference replacement for ``nn.Linear`` holding laid-out MXFP8 bytes.
 
-    Buffers ``weight_data`` (e4m3 ``[N, K]``) and ``weight_scale`` (uint8 scale tiles) move with
-    ``.to()`` / ``.cuda()`` byte for byte; ``bias`` is a frozen parameter. Output is bf16.
+    Buffers ``weight_data`` (the e4m3 ``[N, K]`` bytes, held as uint8 so that ``model.to(dtype)``
+    leaves them alone) and ``weight_scale`` (uint8 scale tiles) move with ``.to()`` / ``.cuda()``
+    byte for byte; ``bias`` is a frozen parameter. Output has the input's dtype.
 
     Args:
         weight: the :class:`MXFP8Weight` to hold.
@@ -85,7 +98,7 @@ class MXFP8Linear(nn.Module):
         self.layout = weight.layout
         self.name = weight.name
         self.engine = engine
-        self.register_buffer("weight_data", weight.data)
+        self.register_buffer("weight_data", weight.data.view(torch.uint8))
         self.register_buffer("weight_scale", weight.scale)
         if bias is not None and tuple(bias.shape) != (self.out_features,):
             raise LayoutError(f"{self.name or 'linear'}: bias shape {list(bias.shape)} != [{self.out_features}]")
@@ -94,7 +107,8 @@ class MXFP8Linear(nn.Module):
     @property
     def mx_weight(self) -> MXFP8Weight:
         """The held bytes as an :class:`MXFP8Weight` (no copy)."""
-        return MXFP8Weight(self.weight_data, self.weight_scale, self.layout, self.name)
+        data = self.weight_data.view(torch.float8_e4m3fn)
+        return MXFP8Weight(data, self.weight_scale, self.layout, self.name)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         bias = None if self.bias is None else self.bias.to(x.device)

@@ -27,6 +27,29 @@ from mxfp8_convert.runtime.weight import CANONICAL, KERNEL_LAYOUTS, MXFP8Weight
 ENV_ENGINE = "MXFP8_CONVERT_ENGINE"
 
 
+def check_device(device: torch.device | str) -> torch.device:
+    """``device`` as a ``torch.device``, refusing a CUDA device this machine does not have.
+
+    Raises:
+        BackendUnavailableError: CUDA asked for but torch has no CUDA, finds no GPU, or fewer
+            GPUs than the index (instead of torch's bare ``AssertionError``).
+    """
+    device = torch.device(device)
+    if device.type != "cuda":
+        return device
+    if torch.version.cuda is None and torch.version.hip is None:
+        why = f"this torch ({torch.__version__}) is built without CUDA"
+    elif not torch.cuda.is_available():
+        why = "torch finds no CUDA GPU"
+    elif device.index is not None and device.index >= torch.cuda.device_count():
+        why = f"torch finds {torch.cuda.device_count()} CUDA GPU(s)"
+    else:
+        return device
+    raise BackendUnavailableError(
+        f"device {device!s} is not available: {why}",
+        hint="use device='cpu' (the reference engine), or install a CUDA torch")
+
+
 def _capability(device: torch.device) -> int:
     major, minor = torch.cuda.get_device_capability(device)
     return major * 10 + minor
@@ -125,7 +148,7 @@ def auto_engine(device: torch.device | str) -> str:
     forced = os.environ.get(ENV_ENGINE)
     if forced:
         return resolve_engine(forced, device)
-    device = torch.device(device)
+    device = check_device(device)
     if device.type != "cuda":
         return "reference"
     return "flashinfer" if _capability(device) >= 100 else "triton"
@@ -149,7 +172,7 @@ def check_engine(engine: str, device: torch.device | str, layout: str) -> str:
         BackendUnavailableError: the engine's package or GPU is missing.
         MarkerError: the checkpoint's layout is not one this engine runs here.
     """
-    device = torch.device(device)
+    device = check_device(device)
     name = resolve_engine(engine, device)
     spec = ENGINES[name]
     if layout not in spec.layouts:

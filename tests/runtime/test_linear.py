@@ -105,4 +105,6 @@ def test_module(layout):
     assert torch.equal(y, reference_linear(x, q, code, lin.bias.detach()))
     state = mod.state_dict()
     assert set(state) == {"weight_data", "weight_scale", "bias"}
-    assert state["weight_data"].dtype == torch.float8_e4m3fn and state["weight_scale"].dtype == torch.uint8
+    # the e4m3 bytes held as uint8, so that model.to(dtype) cannot cast them
+    assert state["weight_data"].dtype == torch.uint8 and state["weight_scale"].dtype == torch.uint8
+    assert mod.mx_weight.data.dtype == torch.float8_e4m3fn
