@@ -19,12 +19,12 @@ import json
 
 
 def generate(model: str, tp: int, prompts: list[list[int]] | list[str], max_tokens: int,
-             dtype: str) -> list[dict]:
+             dtype: str, enforce_eager: bool = False) -> list[dict]:
     """Greedy-generate ``max_tokens`` for each prompt (token ids or text)."""
     from vllm import LLM, SamplingParams
 
     llm = LLM(model=model, tensor_parallel_size=tp, dtype=dtype, max_model_len=256, seed=0,
-              enforce_eager=True)
+              enforce_eager=enforce_eager)
     params = SamplingParams(temperature=0.0, max_tokens=max_tokens, logprobs=1, ignore_eos=True)
     inputs = [{"prompt_token_ids": p} if isinstance(p, list) else p for p in prompts]
     results = []
@@ -44,10 +44,11 @@ def main() -> None:
     ap.add_argument("--prompt-ids", help="JSON list of token-id lists, instead of --prompt")
     ap.add_argument("--max-tokens", type=int, default=16)
     ap.add_argument("--dtype", default="auto", help="activation dtype (bfloat16, float32, auto)")
+    ap.add_argument("--enforce-eager", action="store_true", help="no torch.compile (faster start)")
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = ap.parse_args()
     prompts = json.loads(args.prompt_ids) if args.prompt_ids else (args.prompt or ["Hello"])
-    results = generate(args.model, args.tp, prompts, args.max_tokens, args.dtype)
+    results = generate(args.model, args.tp, prompts, args.max_tokens, args.dtype, args.enforce_eager)
     if args.json:
         print("RESULT " + json.dumps(results))
     else:

@@ -88,10 +88,12 @@ def _greedy(model, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     return results
 
 
-def runtime_greedy(folder: Path, source: Path, prompts, max_tokens: int = MAX_TOKENS) -> list[dict]:
+def runtime_model(folder: Path, source: Path, noise: float = 0.0, seed: int = 0):
     """Our runtime on the same converted checkpoint: ``load_into`` a transformers model of the
     source's config, reference engine, float32 activations (each MXFP8 linear's output is the
-    bf16 the engines produce, widened exactly to float32, as the plug-in does)."""
+    bf16 the engines produce, widened exactly to float32, as the plug-in does). ``noise``: a
+    relative perturbation (uniform, +-noise/2) of every MXFP8 linear's output, to measure how
+    far the runtime itself moves when its arithmetic is rounded differently."""
     from transformers import AutoConfig, AutoModelForCausalLM
 
     from mxfp8_convert.runtime import MXFP8Linear, load_checkpoint, load_into
@@ -100,10 +102,25 @@ def runtime_greedy(folder: Path, source: Path, prompts, max_tokens: int = MAX_TO
     report = load_into(model, load_checkpoint(folder, engine="reference"), strict=False)
     assert report.replaced and not report.unexpected, report.to_dict()
     assert all("rotary" in name for name in report.missing), report.missing
+    gen = torch.Generator().manual_seed(seed)
+
+    def widen(module, inputs, out):
+        out = out.float()
+        if noise:
+            out = out * (1 + (torch.rand(out.shape, generator=gen) - 0.5) * noise)
+        return out
+
     for mod in model.modules():
         if isinstance(mod, MXFP8Linear):
-            mod.register_forward_hook(lambda m, i, o: o.float())
-    return _greedy(model.eval(), prompts, max_tokens)
+            mod.register_forward_hook(widen)
+    return model.eval()
+
+
+def teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Log-probabilities ``[len(tokens), vocab]`` the model gives each position of ``tokens``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
 
 
 def source_greedy(source: Path, prompts, max_tokens: int = MAX_TOKENS) -> list[dict]:

@@ -1,12 +1,24 @@
 """vLLM serves converted checkpoints through the plug-in, at TP=1 and TP=2, both layouts.
 
 The oracle is our own runtime on the same converted folder (``load_into`` a transformers model,
-reference engine): independent of the plug-in's slicing, fusing and vLLM's model code. Both run
-float32 activations and the same MXFP8 linear (activations quantized with FlashInfer's recipe,
-exact products, float32 sums, one rounding to bf16), so what differs is float32 summation order
-elsewhere (attention, norms, all-reduce) and, at TP=2, that each rank rounds its partial
-row-parallel sum to bf16 before the all-reduce (relative 2^-9 per partial). LOGPROB_TOL bounds
-that with room; a wrong slice, tile or head moves logprobs by whole units and changes tokens.
+reference engine), independent of the plug-in's slicing, fusing and of vLLM's model code, scored
+teacher-forced on the tokens vLLM generated. Both run float32 activations and the same MXFP8
+linear (activations quantized to e4m3 with FlashInfer's recipe, exact products, float32 sums,
+one rounding to bf16). What differs is float32 rounding elsewhere (attention, norms, the
+all-reduce) and, at TP=2, one more bf16 rounding of each rank's partial row-parallel sum. The
+e4m3 activation quantization turns any such difference into a whole e4m3 step (1/16 to 1/8 of
+an element) wherever a value sits near a rounding boundary: measured on these models, our runtime
+itself moves its logprobs by up to 0.41 (0.09 for the argmax token) when its linear outputs are
+perturbed by 2^-23 relative, and by up to 1.0 (0.17) at 2^-8, the size of TP=2's extra rounding
+(the run prints its own figure, ``CALIBRATION``). Hence:
+
+- tokens: each token vLLM picks is the oracle's argmax, or within TIE_TOL of it (a near-tie
+  that the arithmetic above decides either way); the count of exact argmax picks is reported;
+- logprobs of the picked tokens: within LOGPROB_TOL of the oracle's.
+
+A wrong slice, tile, head or part offset moves logprobs by whole units and picks tokens far
+below the oracle's argmax from the first token on (and tests/engines/test_layers.py checks the
+bytes of every rank's parameters exactly).
 """
 
 from __future__ import annotations
@@ -28,40 +40,55 @@ from conftest import (
     engine_results,
     report,
     run_engine,
-    runtime_greedy,
+    runtime_model,
     source_greedy,
+    teacher_forced,
 )
 
-LOGPROB_TOL = 0.02
+TIE_TOL = 0.25
+LOGPROB_TOL = 0.5
+#: relative perturbation of the runtime's linear outputs for the printed calibration (TP=2's
+#: extra bf16 rounding of partial sums is of this size)
+CALIBRATION = 2.0 ** -8
 EXAMPLE = str(ROOT / "examples" / "serve_with_vllm.py")
 SERVED = ("llama", "cutlass", 1)  # this one is checked through the OpenAI server instead
 CASES = [(k, b, tp) for k in ("llama", "qwen2") for b in ("trtllm", "cutlass") for tp in (1, 2)]
 
 
-def _compare(case, got: list[dict], want: list[dict], source: list[dict]) -> None:
-    worst, lead = 0.0, []
-    for g, w, s in zip(got, want, source, strict=True):
-        assert g["token_ids"] == w["token_ids"], (case, g, w)
-        diffs = [abs(a - b) for a, b in zip(g["logprobs"], w["logprobs"], strict=True)]
-        worst = max(worst, *diffs)
+def _compare(case, got: list[dict], prompts: list[list[int]], oracle) -> None:
+    model, noisy, source = oracle
+    worst, worst_gap, spread, exact, total, lead = 0.0, 0.0, 0.0, 0, 0, []
+    for g, prompt, s in zip(got, prompts, source, strict=True):
+        rows = teacher_forced(model, prompt, g["token_ids"])
+        moved = teacher_forced(noisy, prompt, g["token_ids"])
+        for i, t in enumerate(g["token_ids"]):
+            gap = float(rows[i].max() - rows[i, t])
+            assert gap <= TIE_TOL, (case, i, t, int(rows[i].argmax()), gap)
+            worst_gap = max(worst_gap, gap)
+            exact += int(int(rows[i].argmax()) == t)
+            total += 1
+            worst = max(worst, abs(g["logprobs"][i] - float(rows[i, t])))
+            spread = max(spread, abs(float(moved[i, t] - rows[i, t])))
         same = 0
         while same < len(s["token_ids"]) and s["token_ids"][same] == g["token_ids"][same]:
             same += 1
         lead.append(same)
-    report(f"{'/'.join(map(str, case))}: tokens equal to our runtime, max |dlogprob| {worst:.2e} "
-           f"(tol {LOGPROB_TOL}); leading tokens equal to the BF16 source {lead} of {MAX_TOKENS}")
+    report(f"{'/'.join(map(str, case))}: {exact}/{total} tokens our runtime's argmax, the rest "
+           f"within {worst_gap:.3f} of it (tol {TIE_TOL}); max |dlogprob| {worst:.3f} (tol "
+           f"{LOGPROB_TOL}; our runtime's own spread at {CALIBRATION:.0e}: {spread:.3f}); "
+           f"leading tokens equal to the unquantized BF16 source: {lead} of {MAX_TOKENS}")
     assert worst <= LOGPROB_TOL, (case, worst)
 
 
 @pytest.fixture(scope="session")
 def oracle(models, prompt_ids):
-    """Our runtime's and the source's greedy results per (kind, backend), computed once."""
+    """(our runtime, the same perturbed, the source's free-running greedy) per (kind, backend)."""
     cache: dict = {}
 
     def get(kind: str, backend: str):
         if (kind, backend) not in cache:
-            src = models[(kind, "source")]
-            cache[(kind, backend)] = (runtime_greedy(models[(kind, backend)], src, prompt_ids),
+            src, out = models[(kind, "source")], models[(kind, backend)]
+            cache[(kind, backend)] = (runtime_model(out, src), runtime_model(out, src, CALIBRATION),
                                       source_greedy(src, prompt_ids))
         return cache[(kind, backend)]
 
@@ -70,14 +97,14 @@ def oracle(models, prompt_ids):
 
 @pytest.mark.parametrize("case", [c for c in CASES if c != SERVED], ids=lambda c: f"{c[0]}-{c[1]}-tp{c[2]}")
 def test_generate_matches_runtime(case, models, prompt_ids, oracle):
-    """examples/serve_with_vllm.py: vLLM's greedy tokens and logprobs equal our runtime's."""
+    """examples/serve_with_vllm.py: vLLM's greedy tokens and logprobs agree with our runtime."""
     kind, backend, tp = case
     proc = run_engine([EXAMPLE, str(models[(kind, backend)]), "--tp", str(tp), "--json",
-                       "--dtype", "float32", "--max-tokens", str(MAX_TOKENS),
+                       "--dtype", "float32", "--enforce-eager", "--max-tokens", str(MAX_TOKENS),
                        "--prompt-ids", json.dumps(prompt_ids)])
     got = engine_results(proc)
     assert [r["prompt_token_ids"] for r in got] == prompt_ids
-    _compare(case, got, *oracle(kind, backend))
+    _compare(case, got, prompt_ids, oracle(kind, backend))
 
 
 def _free_port() -> int:
@@ -120,7 +147,7 @@ def test_openai_server_answers_a_completion(models, prompt_ids, oracle):
             lp = out["choices"][0]["logprobs"]
             got.append({"token_ids": [int(t.split(":")[1]) for t in lp["tokens"]],
                         "logprobs": lp["token_logprobs"]})
-        _compare(SERVED, got, *oracle(kind, backend))
+        _compare(SERVED, got, prompt_ids, oracle(kind, backend))
     finally:
         server.send_signal(signal.SIGTERM)
         try:
@@ -179,8 +206,8 @@ def test_start_up_refusals_are_one_line(models, tmp_path):
     want = {
         no_marker: ("MarkerError", "no mxfp8_convert.complete.json: not a complete mxfp8-convert output"),
         future: ("MarkerError", "format_version 99 is not supported"),
-        moe: ("FormatError", "fused MoE blocks (model.layers.0.mlp.experts, ...) are not served by "
-                             "the engine plug-ins yet"),
+        moe: ("FormatError", "fused MoE blocks (model.layers.0.block_sparse_moe.experts, ...) are "
+                             "not served by the engine plug-ins yet"),
     }
     for folder, (kind, text) in want.items():
         line = lines.get(str(folder), "")
@@ -194,10 +221,11 @@ def test_tp_outside_tp_compat_is_refused(models):
     """An MLP of 9 tiles slices at TP=1 only: TP=2 is refused naming the first module."""
     folder = models[("llama_tp1", "cutlass")]
     assert json.loads((folder / "config.json").read_text())["quantization_config"]["tp_compat"] == [1]
-    proc = run_engine([EXAMPLE, str(folder), "--tp", "2", "--json", "--max-tokens", "1"])
+    proc = run_engine([EXAMPLE, str(folder), "--tp", "2", "--json", "--max-tokens", "1",
+                       "--enforce-eager"])
     assert proc.returncode != 0
     want = ("tensor parallel 2 is not in this checkpoint's tp_compat [1]: model.layers.0.mlp.down_proj "
             "[512, 1152] (row-parallel, cutlass) at tensor parallel 2: K=576 per rank, not a multiple of 128")
-    hits = [ln for ln in proc.stderr.splitlines() if want in ln]
+    hits = [ln for ln in (proc.stdout + proc.stderr).splitlines() if want in ln]  # workers log to stdout
     assert hits, proc.stderr[-4000:]
     report(f"refused at TP=2: {hits[0].split('LayoutError: ')[-1]}")
