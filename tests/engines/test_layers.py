@@ -1,0 +1,110 @@
+"""Layer level, in this process: vLLM's own linear layers load a rank's slice through the plug-in.
+
+Each rank's parameters must hold exactly the file's slice (checked against plain indexing of the
+stored tensors: rows of q and of gate/up parts at their offsets, whole KV heads where they are
+fewer than the ranks, K tiles of o_proj), ``process_weights_after_loading`` must keep the
+parameters' storage (no copy, no re-layout), and the rank's weight must dequantize to the
+source's rows / columns (the runtime's inverse layout, an independent path).
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+TP = 2
+
+
+@pytest.fixture()
+def vllm_rank(monkeypatch):
+    """Build vLLM layers as rank ``r`` of ``TP`` (no process group: the sizes vLLM reads)."""
+    import vllm.model_executor.layers.linear as linear
+    import vllm.model_executor.parameter as parameter
+    from vllm.config import VllmConfig, set_current_vllm_config
+
+    def as_rank(r: int, tp: int = TP):
+        for mod in (linear, parameter):
+            monkeypatch.setattr(mod, "get_tensor_model_parallel_rank", lambda: r, raising=False)
+            monkeypatch.setattr(mod, "get_tensor_model_parallel_world_size", lambda: tp, raising=False)
+        import vllm.distributed as dist
+        monkeypatch.setattr(dist, "get_tensor_model_parallel_world_size", lambda: tp)
+
+    with set_current_vllm_config(VllmConfig()):
+        yield as_rank
+
+
+def _config(folder):
+    import json
+
+    from mxfp8_convert.engines.vllm import MXFP8ConvertConfig
+
+    cfg = MXFP8ConvertConfig.from_config(json.loads((folder / "config.json").read_text())["quantization_config"])
+    cfg.maybe_update_config(str(folder))
+    cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
+                                  "gate_up_proj": ["gate_proj", "up_proj"]}
+    return cfg
+
+
+def _load(layer, stored, names_and_ids):
+    for name, shard in names_and_ids:
+        for suffix in ("weight", "weight_scale_swizzled"):
+            p = getattr(layer, suffix)
+            t = stored[f"{name}.{suffix}"]
+            p.weight_loader(p, t) if shard is None else p.weight_loader(p, t, shard)
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_rank_parameters_are_the_files_slices(models, vllm_rank, backend, rank):
+    from vllm.model_executor.layers.linear import (
+        MergedColumnParallelLinear,
+        QKVParallelLinear,
+        RowParallelLinear,
+    )
+
+    from mxfp8_convert.runtime.weight import MXFP8Weight
+
+    folder = models[("llama", backend)]
+    stored = load_file(str(folder / "model.safetensors"))
+    vllm_rank(rank)
+    cfg = _config(folder)
+    p = "model.layers.0"
+    qkv = QKVParallelLinear(512, 128, 4, 1, bias=False, quant_config=cfg,
+                            prefix=f"{p}.self_attn.qkv_proj", params_dtype=torch.float32)
+    gate_up = MergedColumnParallelLinear(512, [1024, 1024], bias=False, quant_config=cfg,
+                                         prefix=f"{p}.mlp.gate_up_proj", params_dtype=torch.float32)
+    o = RowParallelLinear(512, 512, bias=False, quant_config=cfg, prefix=f"{p}.self_attn.o_proj",
+                          params_dtype=torch.float32)
+    a = f"{p}.self_attn"
+    _load(qkv, stored, [(f"{a}.q_proj", "q"), (f"{a}.k_proj", "k"), (f"{a}.v_proj", "v")])
+    _load(gate_up, stored, [(f"{p}.mlp.gate_proj", 0), (f"{p}.mlp.up_proj", 1)])
+    _load(o, stored, [(f"{a}.o_proj", None)])
+
+    def w(n): return stored[f"{n}.weight"].view(torch.uint8)
+    def s(n): return stored[f"{n}.weight_scale_swizzled"]
+    q_rows, q_tiles = slice(rank * 256, rank * 256 + 256), slice(rank * 2, rank * 2 + 2)
+    mlp_rows, mlp_tiles = slice(rank * 512, rank * 512 + 512), slice(rank * 4, rank * 4 + 4)
+    want = {  # plain indexing of the stored tensors; one KV head, so k and v are whole on each rank
+        qkv: (torch.cat([w(f"{a}.q_proj")[q_rows], w(f"{a}.k_proj"), w(f"{a}.v_proj")]),
+              torch.cat([s(f"{a}.q_proj")[q_tiles], s(f"{a}.k_proj"), s(f"{a}.v_proj")])),
+        gate_up: (torch.cat([w(f"{p}.mlp.gate_proj")[mlp_rows], w(f"{p}.mlp.up_proj")[mlp_rows]]),
+                  torch.cat([s(f"{p}.mlp.gate_proj")[mlp_tiles], s(f"{p}.mlp.up_proj")[mlp_tiles]])),
+        o: (w(f"{a}.o_proj")[:, rank * 256:rank * 256 + 256], s(f"{a}.o_proj")[:, q_tiles]),
+    }
+    for layer, (want_w, want_s) in want.items():
+        ptrs = (layer.weight.data_ptr(), layer.weight_scale_swizzled.data_ptr())
+        layer.quant_method.process_weights_after_loading(layer)
+        mx = layer.mxfp8_weight
+        assert (mx.data.data_ptr(), mx.scale.data_ptr()) == ptrs
+        assert (layer.weight.data_ptr(), layer.weight_scale_swizzled.data_ptr()) == ptrs
+        assert torch.equal(layer.weight.data.view(torch.uint8), want_w)
+        assert torch.equal(layer.weight_scale_swizzled.data, want_s)
+        assert layer.mxfp8_engine == "reference"
+
+    def dq(n): return MXFP8Weight(stored[f"{n}.weight"], s(n), backend, n).dequantize()
+    assert torch.equal(qkv.mxfp8_weight.dequantize(), torch.cat(
+        [dq(f"{a}.q_proj")[q_rows], dq(f"{a}.k_proj"), dq(f"{a}.v_proj")]))
+    assert torch.equal(gate_up.mxfp8_weight.dequantize(), torch.cat(
+        [dq(f"{p}.mlp.gate_proj")[mlp_rows], dq(f"{p}.mlp.up_proj")[mlp_rows]]))
+    assert torch.equal(o.mxfp8_weight.dequantize(), dq(f"{a}.o_proj")[:, rank * 256:rank * 256 + 256])
