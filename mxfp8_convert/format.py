@@ -530,6 +530,17 @@ class Completion(_Record):
         return cls.parse(read_json(path, "completion marker", error=error), str(path), error=error)
 
 
+def file_digest(path: str | Path) -> str:
+    """The ``xxh3_128`` of a ``files`` entry: hex xxh3-128 digest of the file's bytes."""
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    with open(path, "rb") as f:
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def file_record(size: int, digest: str) -> dict:
     """The JSON of one ``files`` entry (a :class:`FileRecord`)."""
     return FileRecord(size=size, xxh3_128=digest).to_dict()

@@ -29,6 +29,7 @@ from mxfp8_convert.format import (
     PART_MANIFEST_GLOB,
     PARTIAL_MANIFEST_PREFIX,
     PARTIAL_SUFFIX,
+    file_digest,  # noqa: F401 - re-exported
     part_manifest,
 )
 from mxfp8_convert.format import PARTIAL_MANIFEST as MANIFEST_NAME
@@ -293,15 +294,6 @@ def check_destination(dest: Path, source: Path, *, overwrite: bool) -> None:
 
 
 _LOCK_NAME = ".lock"
-
-
-def file_digest(path: Path) -> str:
-    """xxh3_128 hex digest of a file's bytes."""
-    h = xxhash.xxh3_128()
-    with open(path, "rb") as f:
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def manifest_name(part: tuple[int, int] | None) -> str:

@@ -246,7 +246,7 @@ def _kept_summary(kept: tuple[str, ...]) -> str:
 def verify_cmd(
     path: Annotated[str, typer.Argument(metavar="OUT", help="A folder written by mxfp8-convert.")],
     source: Annotated[str | None, typer.Option("--source", help="The checkpoint it was converted from: invert every layout and compare bytes.")] = None,
-    no_hashes: Annotated[bool, typer.Option("--no-hashes", help="Skip re-hashing every file.")] = False,
+    no_hashes: Annotated[bool, typer.Option("--no-hashes", help="Skip re-hashing every file: a changed byte that keeps a file's size goes unseen (unless --source compares it). Sizes, missing and unlisted files are still checked.")] = False,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
