@@ -170,8 +170,12 @@ def test_ineligible_lists_every_offender_and_keep_records_them(capsys, tmp_path)
     shard = json.loads((dest / "model.safetensors.index.json").read_text())["weight_map"][
         "model.layers.0.mlp.down_proj.weight_scale_inv"]
     with safe_open(str(dest / shard), "pt") as f:
-        rec = json.loads(f.metadata()["mxfp8_convert.tensors"])["model.layers.0.mlp.down_proj.weight"]
+        recs = json.loads(f.metadata()["mxfp8_convert.tensors"])
+        rec = recs["model.layers.0.mlp.down_proj.weight"]
         assert rec["layout"] == "canonical"
+        # docs/FORMAT.md section 3: kept-canonical records say why
+        assert rec["reason"] == "K=288 is not a multiple of 256"
+        assert recs["model.layers.0.mlp.down_proj.weight_scale_inv"]["reason"] == rec["reason"]
         assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv").shape == (256, 9)
 
 

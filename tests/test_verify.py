@@ -201,5 +201,5 @@ def test_completion_marker_with_escaping_paths_is_refused(converted):
     _, out = converted
     for rel in ("/etc/hostname", "../src/config.json"):
         _rewrite_completion(out, files={rel: {"size": 1, "xxh3_128": "0" * 32}})
-        with pytest.raises(VerifyError, match=f"not a path inside the folder"):
+        with pytest.raises(VerifyError, match="not a path inside the folder"):
             verify(out)
