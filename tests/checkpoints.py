@@ -52,5 +52,6 @@ def marker(root: Path) -> dict:
 
 
 def leftovers(parent: Path) -> list[str]:
-    """Temporary or half-written folders that a failed run might leave beside its destination."""
-    return sorted(p.name for p in parent.iterdir() if ".mxfp8-partial" in p.name or ".mxfp8-old-" in p.name)
+    """Work folders a failed run might leave beside its destination: ``.NAME.mxfp8-*``
+    (``-tmp-``, ``-partial``, ``-old-``: whatever write.py names them)."""
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and ".mxfp8-" in p.name)
