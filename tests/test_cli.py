@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mxfp8_convert.cli import main
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
 from tests.checkpoints import leftovers, tree_hashes
+from tests.hostile import run_cli as run
 
 SPEC = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=2)
 
@@ -20,12 +20,6 @@ SPEC = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vo
 @pytest.fixture()
 def src(tmp_path):
     return write_checkpoint(tmp_path / "model", SPEC)
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_failed_cleanly(code, out, err, tmp_path, dest, expected_in_err):
