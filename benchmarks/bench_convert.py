@@ -98,7 +98,7 @@ def report(results: dict, rss: dict, size: int, args) -> None:
     rows = []
     for name, ts in results.items():
         t = statistics.median(ts)
-        ratios = [c / x for c, x in zip(cp, ts)]
+        ratios = [c / x for c, x in zip(cp, ts, strict=True)]
         extra = f"  peak RSS {rss[name] / 2**20:.0f} MiB" if name in rss else ""
         print(f"{name:36s} {t:7.2f} s  {size / t / 1e9:5.2f} GB/s  vs cp+sync {base_t / t:4.2f}x "
               f"(per round {min(ratios):.2f}-{max(ratios):.2f}x){extra}  runs {', '.join(f'{x:.2f}' for x in ts)}")

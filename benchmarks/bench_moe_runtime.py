@@ -53,7 +53,7 @@ from mxfp8_convert.runtime.reference import dequantize_mxfp8  # noqa: E402
 FULL = dict(experts=256, hidden=7168, intermediate=2048, topk=8, tokens=(128, 512))
 TINY = dict(experts=8, hidden=256, intermediate=128, topk=2, tokens=(5, 19))
 BOUNDS = {"rel_err_staged": 5e-3, "rel_err_oracle": 3e-2}
-HBM_TBPS = 4.3  # measured copy rate on the H200 (SPEC.md section 7), for the bytes floor
+HBM_TBPS = 4.3  # measured copy rate on the H200 (docs/LAYOUTS.md section 7), for the bytes floor
 
 
 def environment(device: torch.device) -> dict:

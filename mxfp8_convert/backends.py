@@ -1,8 +1,8 @@
 """Table of target backends: weight layout, scale layout and the constraints each kernel puts.
 
 Adding a backend means one entry here, its layout names in ``format.LAYOUTS`` and one layout
-module. Sources: SPEC.md section 3 and ``flashinfer/gemm/gemm_base.py`` (FlashInfer 0.7.2.post1):
-``mm_mxfp8`` takes ``b = W.t()``, uint8 1-D scales, N >= 128, K >= 128; trtllm needs
+module. Sources: docs/LAYOUTS.md section 3 and ``flashinfer/gemm/gemm_base.py`` (FlashInfer
+0.7.2.post1): ``mm_mxfp8`` takes ``b = W.t()``, uint8 1-D scales, N >= 128, K >= 128; trtllm needs
 K % 256 == 0 and a P32-shuffled weight.
 """
 

@@ -30,7 +30,7 @@ ST_DTYPES: dict[str, tuple[str, int]] = {
     "F64": ("float64", 8),
 }
 
-#: dtypes a scale of a MXFP8 weight may have on disk (SPEC section 1)
+#: dtypes a scale of a MXFP8 weight may have on disk (docs/LAYOUTS.md section 1)
 UE8M0_DTYPES = frozenset({"U8", "F8_E8M0"})
 FLOAT_DTYPES = frozenset({"F16", "BF16", "F32", "F64"})
 

@@ -553,6 +553,26 @@ class Completion(_Record):
         return cls.parse(read_json(path, "completion marker", error=error), str(path), error=error)
 
 
+def file_digest(path: str | Path) -> str:
+    """The ``xxh3_128`` of a ``files`` entry: hex xxh3-128 digest of the file's bytes (a regular
+    file, opened without following a link and without waiting on a FIFO)."""
+    import errno
+    import os
+    import stat
+
+    import xxhash
+
+    h = xxhash.xxh3_128()
+    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    fd = os.open(path, flags)
+    with os.fdopen(fd, "rb") as f:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError(errno.EINVAL, "not a regular file", str(path))
+        while chunk := f.read(16 << 20):
+            h.update(chunk)
+    return h.hexdigest()
+
+
 def file_record(size: int, digest: str) -> dict:
     """The JSON of one ``files`` entry (a :class:`FileRecord`)."""
     return FileRecord(size=size, xxh3_128=digest).to_dict()

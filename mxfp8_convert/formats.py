@@ -1,7 +1,8 @@
 """Table of source checkpoint formats: how each is recognised and how its tensors pair up.
 
 ``FORMATS`` is ordered most specific first; ``detect()`` returns the first whose ``matches``
-accepts the config. Sources: SPEC.md section 4 (config keys and tensor names of each dialect).
+accepts the config. Sources: docs/LAYOUTS.md section 4 (config keys and tensor names of each
+dialect).
 """
 
 from __future__ import annotations

@@ -54,7 +54,7 @@ DROPPED_SUFFIXES = (".input_scale",)  # ModelOpt FP8, vLLM fp8 static, compresse
 #: ``kv_cache_scheme``
 KV_SCALE_SUFFIXES = (".k_scale", ".v_scale", ".kv_scale")
 
-#: per-expert linear modules of a MoE block under the usual Hub names (SPEC section 6):
+#: per-expert linear modules of a MoE block under the usual Hub names (docs/LAYOUTS.md section 6):
 #: ``<block>.experts.<e>.<proj>``. The ``.experts.`` must follow a dot, so shared experts
 #: (``mlp.shared_experts.*``, ``mlp.shared_expert.*``) and routers (``mlp.gate``) stay dense.
 EXPERT_RE = re.compile(r"^(?P<block>.+\.experts)\.(?P<expert>\d+)\.(?P<proj>[A-Za-z0-9_]+)$")
@@ -224,6 +224,7 @@ class TensorPlan:
     source: str  # source tensor name
     module: str | None = None
     logical_shape: tuple[int, ...] | None = None  # scales: canonical [N, K/32]
+    reason: str | None = None  # kept canonical: why (recorded, docs/FORMAT.md section 3)
 
     @property
     def nbytes(self) -> int:
@@ -244,6 +245,8 @@ class TensorPlan:
             rec["logical_shape"] = [n, c]
             rec["padded_shape"] = [ceil_to(n, 128), ceil_to(c, 4)] if self.layout != CANONICAL_LAYOUT else [n, c]
             rec["tile_shape"] = list(self.shape)
+        if self.reason is not None:
+            rec["reason"] = self.reason
         return rec
 
     def _moe_record(self) -> dict:
@@ -937,9 +940,10 @@ def _module_tensors(m: ModulePlan, backend: BackendSpec,
                            m.weight.name, m.name)]
     if m.layout == CANONICAL_LAYOUT:
         return [
-            TensorPlan(w, "weight", "F8_E4M3", (m.n, m.k), CANONICAL_LAYOUT, m.weight.name, m.name),
+            TensorPlan(w, "weight", "F8_E4M3", (m.n, m.k), CANONICAL_LAYOUT, m.weight.name, m.name,
+                       reason=m.reason),
             TensorPlan(f"{m.name}.{CANONICAL_SUFFIX}", "weight_scale", "U8", (m.n, c), CANONICAL_LAYOUT,
-                       m.scale.name if m.scale else m.weight.name, m.name, (m.n, c)),
+                       m.scale.name if m.scale else m.weight.name, m.name, (m.n, c), m.reason),
         ]
     return [
         TensorPlan(w, "weight", "F8_E4M3", (m.n, m.k), backend.weight_layout, m.weight.name, m.name),

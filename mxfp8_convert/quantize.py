@@ -5,8 +5,8 @@ are processed in row chunks, so the extra memory a call needs is a small multipl
 (a few float32 copies of it; the requantize paths also hold two float64 copies for the error),
 never of the whole tensor; ``chunk_rows=None`` picks chunks of about ``2**20`` elements.
 
-MXFP8 (SPEC.md section 1): ``float8_e4m3fn`` values, one UE8M0 scale byte ``b`` per 1x32 block
-along K meaning ``2^(b-127)``; ``b = 255`` is NaN. The quantizer reproduces FlashInfer
+MXFP8 (docs/LAYOUTS.md section 1): ``float8_e4m3fn`` values, one UE8M0 scale byte ``b`` per 1x32
+block along K meaning ``2^(b-127)``; ``b = 255`` is NaN. The quantizer reproduces FlashInfer
 0.7.2.post1's host reference ``mxfp8_quantize_host`` (``csrc/nv_internal/tensorrt_llm/thop/
 fp8Quantize.cpp``) bit for bit, so a converted checkpoint carries exactly the bytes FlashInfer
 would have produced from the same high-precision weights.
@@ -423,7 +423,7 @@ def quantization_error(
     return _to_quant_error(sums)
 
 
-# --- FP8 sources (SPEC.md section 4) --------------------------------------------------------
+# --- FP8 sources (docs/LAYOUTS.md section 4) -------------------------------------------------
 
 
 def _source_scale_f32(scale: torch.Tensor, name: str) -> torch.Tensor:
@@ -513,7 +513,7 @@ def block_fp8_to_mxfp8(
     scale_name: str | None = None,
     chunk_rows: int | None = None,
 ) -> MXFP8Result:
-    """Convert a DeepSeek-style block-FP8 weight to MXFP8 (SPEC.md section 4).
+    """Convert a DeepSeek-style block-FP8 weight to MXFP8 (docs/LAYOUTS.md section 4).
 
     The source value is ``fl32(w) * scale_inv[r // bn, k // bk]`` (a multiplier). When every
     block scale is an exact power of two in ``[2^-127, 2^127]`` (``scale_fmt: ue8m0``

@@ -1,6 +1,6 @@
 """Deterministic synthetic checkpoints in every source dialect, for the demo, tests and benchmarks.
 
-Llama/Qwen-style tensor names, configs with the exact keys of SPEC.md section 4, a bf16
+Llama/Qwen-style tensor names, configs with the exact keys of docs/LAYOUTS.md section 4, a bf16
 ``lm_head`` listed as ignored, tokenizer-like side files, and at least one module whose weight
 and scale sit in different shards. The bytes are random but valid: no NaN e4m3 codes, scale
 codes in a realistic range. With ``experts > 0`` every layer's MLP is a Qwen3-MoE-style block
@@ -109,7 +109,8 @@ def scale_suffix(dialect: str) -> str | None:
 
 
 def quantization_config(dialect: str) -> tuple[dict | None, dict | None]:
-    """(config.json quantization_config, hf_quant_config.json) of a dialect, per SPEC section 4."""
+    """(config.json quantization_config, hf_quant_config.json) of a dialect (docs/LAYOUTS.md
+    section 4)."""
     if dialect == "sglang_mxfp8":
         return {"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32],
                 "scale_fmt": "ue8m0", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]}, None

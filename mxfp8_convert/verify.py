@@ -1,8 +1,8 @@
 """``verify``: prove that an output is complete, self-consistent and, given its source, exact.
 
-Checks, in order: the completion marker and every file it lists (size and xxh3 hash); the
-layout marker in config.json and in every shard; every tensor's dtype and shape against its
-record. With ``source``: every module's layouts are inverted (the inverse functions, not the
+Checks, in order: the completion marker and every file it lists (inside the folder, size and
+xxh3 hash), and that it lists every file the folder holds; the layout marker in config.json and
+in every shard; every tensor's dtype and shape against its record. With ``source``: every module's layouts are inverted (the inverse functions, not the
 forward ones the converter used) and compared with the source's canonical MXFP8 bytes:
 identical for lossless conversions, identical to a fresh FlashInfer-recipe quantization for
 requantized ones, whose recorded error is recomputed too. Fused MoE tensors are cut per
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import json
 import math
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -22,7 +23,7 @@ import torch
 
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.dtypes import torch_dtype
-from mxfp8_convert.errors import ConvertError, MarkerError, VerifyError
+from mxfp8_convert.errors import ConvertError, MarkerError, SourceError, VerifyError
 from mxfp8_convert.format import (
     CANONICAL_LAYOUT,
     CANONICAL_SUFFIX,
@@ -34,6 +35,7 @@ from mxfp8_convert.format import (
     SWIZZLED_SUFFIX,
     Completion,
     Marker,
+    file_digest,
     is_marker,
 )
 from mxfp8_convert.formats import detect_source
@@ -51,9 +53,14 @@ from mxfp8_convert.plan import (
     model_dtype,
 )
 from mxfp8_convert.quantize import quantization_error
-from mxfp8_convert.read import SourceCheckpoint, open_checkpoint, read_tensor, resolve_model
+from mxfp8_convert.read import (
+    SourceCheckpoint,
+    open_checkpoint,
+    read_tensor,
+    resolve_model,
+    safe_child,
+)
 from mxfp8_convert.transform import canonical_module, dense_weight, dequantized_module
-from mxfp8_convert.write import file_digest
 
 
 @dataclass(frozen=True, slots=True)
@@ -113,7 +120,8 @@ def verify(path: str | Path, source: str | Path | None = None, *, check_hashes: 
     Args:
         path: the output folder.
         source: the checkpoint it was made from (folder or Hub repo id), to compare bytes.
-        check_hashes: recompute every file's xxh3_128 and compare with the completion marker.
+        check_hashes: recompute every file's xxh3_128 and compare with the completion marker
+            (False still checks that every file is listed, inside the folder and of its size).
         source_format: the source's format; by default the one the output records (completion
             marker ``source_format``, else the marker's ``source.dialect``), else detected.
 
@@ -146,16 +154,51 @@ def _completion(root: Path) -> Completion:
     return Completion.read(root, error=VerifyError)
 
 
+#: bookkeeping of ``huggingface_hub``'s ``--local-dir`` downloads (``_local_folder.py``), which
+#: a downloaded output holds besides the files it was published with
+_DOWNLOAD_METADATA = ".cache/huggingface/"
+
+
+def _present_files(root: Path) -> list[str]:
+    """Relative POSIX paths of every file and link in ``root`` (links to folders not followed)."""
+    out = []
+    for dirpath, dirnames, filenames in os.walk(root):
+        rel_dir = Path(dirpath).relative_to(root).as_posix()
+        links = [d for d in dirnames if os.path.islink(os.path.join(dirpath, d))]
+        dirnames[:] = [d for d in dirnames if d not in links]
+        for fn in (*filenames, *links):
+            out.append(fn if rel_dir == "." else f"{rel_dir}/{fn}")
+    return sorted(rel for rel in out if rel != COMPLETE_MARKER and not rel.startswith(_DOWNLOAD_METADATA))
+
+
+def _file_problem(root: Path, rel: str, rec, check_hashes: bool) -> str | None:
+    """What is wrong with listed file ``rel`` against its record (None if nothing)."""
+    try:
+        p = safe_child(root, rel, what="file")
+    except SourceError as e:
+        return str(e).removeprefix(f"file {rel!r} ")
+    if not p.is_file():
+        return "listed in the completion marker but missing"
+    size = p.stat().st_size
+    if size != rec.size:
+        return f"size {size} != recorded {rec.size}"
+    if check_hashes and file_digest(p) != rec.xxh3_128:
+        return "xxh3_128 hash differs from the completion marker"
+    return None
+
+
 def _check_files(root: Path, done: Completion, report: VerifyReport, check_hashes: bool) -> None:
+    """Every file listed in the completion marker is there, inside the folder, with its size (and
+    hash); every file there is listed."""
     for rel, rec in sorted(done.files.items()):
-        p = root / rel
         report.files_checked += 1
-        if not p.is_file():
-            report.mismatches.append(Mismatch(rel, "listed in the completion marker but missing"))
-        elif p.stat().st_size != rec.size:
-            report.mismatches.append(Mismatch(rel, f"size {p.stat().st_size} != recorded {rec.size}"))
-        elif check_hashes and file_digest(p) != rec.xxh3_128:
-            report.mismatches.append(Mismatch(rel, "xxh3_128 hash differs from the completion marker"))
+        what = _file_problem(root, rel, rec, check_hashes)
+        if what:
+            report.mismatches.append(Mismatch(rel, what))
+    for rel in _present_files(root):
+        if rel not in done.files:
+            report.files_checked += 1
+            report.mismatches.append(Mismatch(rel, "not listed in the completion marker"))
 
 
 def _check_marker(ckpt: SourceCheckpoint, marker: dict, report: VerifyReport) -> dict[str, dict]:

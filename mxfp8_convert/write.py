@@ -21,7 +21,7 @@ import struct
 import sys
 import threading
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
@@ -31,8 +31,14 @@ import xxhash
 from mxfp8_convert._lazy import torch, torch_loaded
 from mxfp8_convert.errors import ConvertError, DiskFullError, OutputError
 from mxfp8_convert.format import COMPLETE_MARKER as COMPLETE_NAME
+from mxfp8_convert.format import (  # noqa: F401 - re-exported
+    PART_MANIFEST_GLOB,
+    PARTIAL_MANIFEST_PREFIX,
+    PARTIAL_SUFFIX,
+    file_digest,
+    part_manifest,
+)
 from mxfp8_convert.format import PARTIAL_MANIFEST as MANIFEST_NAME
-from mxfp8_convert.format import PARTIAL_MANIFEST_PREFIX, PARTIAL_SUFFIX, part_manifest
 
 #: bytes per write() / writev(), and per step of the one pass over each chunk (scan, hashes,
 #: write): 256 KiB writes ran 2-5x faster than 32 MiB ones on ext4 here (the piece is still in
@@ -716,18 +722,6 @@ def _rename_exchange(a: Path, b: Path) -> bool:
     if err in unsupported:
         return False
     raise OSError(err, os.strerror(err), str(b))
-
-
-def file_digest(path: Path) -> str:
-    """xxh3_128 hex digest of a file's bytes (a regular file, never through a link)."""
-    h = xxhash.xxh3_128()
-    fd = os.open(path, os.O_RDONLY | _O_NOFOLLOW | getattr(os, "O_NONBLOCK", 0))
-    with os.fdopen(fd, "rb") as f:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError(errno.EINVAL, "not a regular file", str(path))
-        while chunk := f.read(16 << 20):
-            h.update(chunk)
-    return h.hexdigest()
 
 
 def _intact(path: Path, rec: dict) -> bool:

@@ -52,5 +52,36 @@ def marker(root: Path) -> dict:
 
 
 def leftovers(parent: Path) -> list[str]:
-    """Temporary or half-written folders that a failed run might leave beside its destination."""
-    return sorted(p.name for p in parent.iterdir() if ".mxfp8-partial" in p.name or ".mxfp8-old-" in p.name)
+    """Work folders a failed run might leave beside its destination: ``.NAME.mxfp8-*``
+    (``-tmp-``, ``-partial``, ``-old-``: whatever write.py names them)."""
+    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and ".mxfp8-" in p.name)
+
+
+def spec_swizzle_128x4(s: torch.Tensor) -> torch.Tensor:
+    """docs/LAYOUTS.md section 2, literally: scatter ``(r, c)`` to its offset (``R % 128 == 0``,
+    ``C % 4 == 0``); an independent reference for the 128x4 swizzle."""
+    r, c = s.shape
+    rr = torch.arange(r).unsqueeze(1)
+    cc = torch.arange(c).unsqueeze(0)
+    off = (
+        (rr // 128) * (c // 4) * 512
+        + (cc // 4) * 512
+        + (rr % 32) * 16
+        + ((rr % 128) // 32) * 4
+        + cc % 4
+    )
+    out = torch.zeros(r * c, dtype=torch.uint8)
+    out[off.flatten()] = s.flatten()
+    return out
+
+
+def flip_byte(out: Path, tensor: str, index: int) -> None:
+    """Flip one byte of ``tensor`` (flat byte ``index``) in place in the output file."""
+    from mxfp8_convert.read import open_checkpoint
+
+    info = open_checkpoint(out).tensors[tensor]
+    with open(out / info.file, "r+b") as f:
+        f.seek(info.begin + index)
+        b = f.read(1)
+        f.seek(info.begin + index)
+        f.write(bytes([b[0] ^ 0x01]))

@@ -18,6 +18,7 @@ from pathlib import Path
 
 from mxfp8_convert.cli import main
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
+from tests.checkpoints import leftovers  # noqa: F401 - also imported from here by the tests
 
 #: a tiny two-shard sglang MXFP8 model (~220 KB) that cutlass converts; fast enough to fuzz
 SMALL = SynthSpec(layers=1, hidden=128, intermediate=256, heads=2, kv_heads=2, vocab=128, shards=2)
@@ -56,12 +57,6 @@ def edit_header(path: Path, edit) -> None:
 
 
 # --- the CLI contract ---------------------------------------------------------------------
-
-
-def leftovers(parent: Path) -> list[str]:
-    """Work folders a failed run might leave beside its destination: ``.NAME.mxfp8-*``
-    (``-tmp-``, ``-partial``, ``-old-``: whatever write.py names them)."""
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and ".mxfp8-" in p.name)
 
 
 def run_cli(capsys, *args) -> tuple[int, str, str]:

@@ -10,9 +10,9 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
-from mxfp8_convert.cli import main
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
 from tests.checkpoints import leftovers, tree_hashes
+from tests.hostile import run_cli as run
 
 SPEC = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=2)
 
@@ -20,12 +20,6 @@ SPEC = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vo
 @pytest.fixture()
 def src(tmp_path):
     return write_checkpoint(tmp_path / "model", SPEC)
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def assert_failed_cleanly(code, out, err, tmp_path, dest, expected_in_err):
@@ -170,8 +164,12 @@ def test_ineligible_lists_every_offender_and_keep_records_them(capsys, tmp_path)
     shard = json.loads((dest / "model.safetensors.index.json").read_text())["weight_map"][
         "model.layers.0.mlp.down_proj.weight_scale_inv"]
     with safe_open(str(dest / shard), "pt") as f:
-        rec = json.loads(f.metadata()["mxfp8_convert.tensors"])["model.layers.0.mlp.down_proj.weight"]
+        recs = json.loads(f.metadata()["mxfp8_convert.tensors"])
+        rec = recs["model.layers.0.mlp.down_proj.weight"]
         assert rec["layout"] == "canonical"
+        # docs/FORMAT.md section 3: kept-canonical records say why
+        assert rec["reason"] == "K=288 is not a multiple of 256"
+        assert recs["model.layers.0.mlp.down_proj.weight_scale_inv"]["reason"] == rec["reason"]
         assert f.get_tensor("model.layers.0.mlp.down_proj.weight_scale_inv").shape == (256, 9)
 
 

@@ -276,3 +276,23 @@ def test_contract_names_are_written_only_in_format_py():
     assert copies == []
     text = (PACKAGE / "format.py").read_text()
     assert all(name in text for name in CONTRACT_NAMES)
+
+
+REPO = PACKAGE.parent
+
+
+def test_the_product_cites_no_file_outside_the_repository():
+    """docs/FORMAT.md stands alone: its links lead to files of the repository; and nothing in
+    the package, docs, examples or benchmarks points at a SPEC.md (which is not in it)."""
+    import re
+
+    docs = REPO / "docs"
+    text = (docs / "FORMAT.md").read_text()
+    links = re.findall(r"\]\(([^)]+)\)", text)
+    assert links and all(not link.startswith(("http", "/")) and (docs / link).resolve().is_file()
+                         and REPO in (docs / link).resolve().parents for link in links), links
+    assert "../" not in text
+    cited = [f"{p.relative_to(REPO)}" for folder in ("mxfp8_convert", "docs", "examples", "benchmarks")
+             for p in sorted((REPO / folder).rglob("*")) if p.suffix in (".py", ".md")
+             and "SPEC.md" in p.read_text()] + (["README.md"] if "SPEC" in (REPO / "README.md").read_text() else [])
+    assert cited == []

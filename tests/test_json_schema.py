@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from mxfp8_convert.cli import main
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
+from tests.hostile import run_cli
 
 CONVERT = {"tool_version", "source", "output", "backend", "format", "dry_run", "seconds", "bytes_written",
            "quantization_errors", "part", "plan"}
@@ -27,8 +27,8 @@ INSPECT_MODULE = {"name", "shape", "weight_dtype", "layout", "backends"}
 
 
 def _json(capsys, *args) -> tuple[int, dict]:
-    code = main([str(a) for a in args])
-    return code, json.loads(capsys.readouterr().out)
+    code, out, _ = run_cli(capsys, *args)
+    return code, json.loads(out)
 
 
 @pytest.fixture()

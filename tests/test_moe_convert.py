@@ -32,7 +32,7 @@ from mxfp8_convert.synth import (
     write_checkpoint,
 )
 from mxfp8_convert.verify import verify
-from tests.checkpoints import load_all, marker
+from tests.checkpoints import flip_byte, load_all, marker, spec_swizzle_128x4
 
 fi_core = pytest.importorskip("flashinfer.fused_moe.core")
 convert_mod = importlib.import_module("mxfp8_convert.convert")  # the package exports a function by that name
@@ -65,16 +65,6 @@ def sources(tmp_path_factory):
 
 
 # --- FlashInfer references, one expert at a time -------------------------------------------
-
-
-def spec_swizzle_128x4(s: torch.Tensor) -> torch.Tensor:
-    """SPEC.md section 2, literally: scatter (r, c) to its offset; R % 128 == 0, C % 4 == 0."""
-    r, c = s.shape
-    rr, cc = torch.arange(r).unsqueeze(1), torch.arange(c).unsqueeze(0)
-    off = (rr // 128) * (c // 4) * 512 + (cc // 4) * 512 + (rr % 32) * 16 + ((rr % 128) // 32) * 4 + cc % 4
-    out = torch.zeros(r * c, dtype=torch.uint8)
-    out[off.flatten()] = s.flatten()
-    return out
 
 
 def flashinfer_expert(w, s, block: str, e: int, names, scale_name: str) -> dict[str, torch.Tensor]:
@@ -260,15 +250,6 @@ def test_incomplete_experts_are_refused(sources, tmp_path):
 # --- verify and inspect ---------------------------------------------------------------------
 
 
-def _flip_byte(out, tensor, index):
-    info = open_checkpoint(out).tensors[tensor]
-    with open(out / info.file, "r+b") as f:
-        f.seek(info.begin + index)
-        b = f.read(1)
-        f.seek(info.begin + index)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 @pytest.mark.parametrize("physical_row", [5, 8 + 32])  # an up row, a gate row
 def test_verify_names_expert_row_and_col_of_a_flipped_byte(sources, tmp_path, physical_row):
     src, spec = sources["sglang_mxfp8"]
@@ -276,7 +257,7 @@ def test_verify_names_expert_row_and_col_of_a_flipped_byte(sources, tmp_path, ph
     convert(src, "trtllm", out)
     assert verify(out, src).ok
     e, col, h, i = 2, 17, spec.hidden, spec.moe_intermediate
-    _flip_byte(out, f"{BLOCKS[1]}.w13_weight", (e * 2 * i + physical_row) * h + col)
+    flip_byte(out, f"{BLOCKS[1]}.w13_weight", (e * 2 * i + physical_row) * h + col)
     row = int(moe_fc1_row_indices(i)[physical_row])  # row of cat([up, gate])
     proj, row = ("up_proj", row) if row < i else ("gate_proj", row - i)
     assert proj == ("up_proj" if physical_row == 5 else "gate_proj")
@@ -289,7 +270,7 @@ def test_verify_catches_scale_and_record_tampering(sources, tmp_path):
     src, _ = sources["sglang_mxfp8"]
     out = tmp_path / "out"
     convert(src, "trtllm", out)
-    _flip_byte(out, f"{BLOCKS[0]}.w2_weight_scale_swizzled", 512 * 2 * 3)  # expert 3, tile (0, 0), byte 0
+    flip_byte(out, f"{BLOCKS[0]}.w2_weight_scale_swizzled", 512 * 2 * 3)  # expert 3, tile (0, 0), byte 0
     [m] = verify(out, src, check_hashes=False).mismatches
     assert (m.where, m.position) == (f"{BLOCKS[0]}.3.down_proj.scale", [3, 0, 0])
     info = open_checkpoint(out).tensors[f"{BLOCKS[0]}.w2_weight"]

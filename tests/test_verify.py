@@ -9,12 +9,13 @@ import pytest
 
 from mxfp8_convert import convert
 from mxfp8_convert.cli import main
-from mxfp8_convert.errors import VerifyError
+from mxfp8_convert.errors import SourceError, VerifyError
 from mxfp8_convert.inspection import inspect_checkpoint
 from mxfp8_convert.layouts import p32_row_indices
 from mxfp8_convert.read import open_checkpoint
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
-from mxfp8_convert.verify import verify
+from mxfp8_convert.verify import Mismatch, verify
+from tests.checkpoints import flip_byte
 
 SPEC = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256,
                  extra_modules=(("model.layers.0.self_attn.kv_a_proj_with_mqa", 576, 256),))
@@ -38,22 +39,11 @@ def test_verify_passes_for_every_kind_of_source(tmp_path, dialect, pow2, backend
     assert report.modules_compared == 8 and report.files_checked > 0
 
 
-def _flip_byte(out, tensor, index):
-    """Flip one byte of ``tensor`` (flat ``index``) in place in the output file."""
-    ckpt = open_checkpoint(out)
-    info = ckpt.tensors[tensor]
-    with open(out / info.file, "r+b") as f:
-        f.seek(info.begin + index)
-        b = f.read(1)
-        f.seek(info.begin + index)
-        f.write(bytes([b[0] ^ 0x01]))
-
-
 def test_tampered_weight_names_tensor_and_logical_position(converted):
     src, out = converted
     name = "model.layers.0.mlp.up_proj.weight"
     physical_row, col, k = 37, 11, 256
-    _flip_byte(out, name, physical_row * k + col)
+    flip_byte(out, name, physical_row * k + col)
     report = verify(out, src, check_hashes=False)
     logical_row = int(p32_row_indices(512)[physical_row])
     assert [str(m) for m in report.mismatches] == [
@@ -64,8 +54,8 @@ def test_tampered_weight_names_tensor_and_logical_position(converted):
 
 def test_tampered_scale_and_passthrough(converted):
     src, out = converted
-    _flip_byte(out, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_swizzled", 0)
-    _flip_byte(out, "model.norm.weight", 2)
+    flip_byte(out, "model.layers.0.self_attn.kv_a_proj_with_mqa.weight_scale_swizzled", 0)
+    flip_byte(out, "model.norm.weight", 2)
     whats = {m.where: m for m in verify(out, src, check_hashes=False).mismatches}
     assert whats["model.layers.0.self_attn.kv_a_proj_with_mqa.scale"].position == [0, 0]
     assert whats["model.norm.weight"].what == "pass-through tensor differs from the source"
@@ -87,7 +77,7 @@ def test_cli_verify_json_and_exit_codes(converted, capsys):
     assert main(["verify", str(out), "--source", str(src), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert doc["ok"] and doc["modules_compared"] == 8
-    _flip_byte(out, "model.layers.0.mlp.down_proj.weight", 5)
+    flip_byte(out, "model.layers.0.mlp.down_proj.weight", 5)
     assert main(["verify", str(out), "--source", str(src), "--json", "--no-hashes"]) == 1
     captured = capsys.readouterr()
     doc = json.loads(captured.out)
@@ -137,3 +127,69 @@ def test_inspect_source_and_output(tmp_path, capsys):
     assert doc["format"] == "mxfp8_convert" and doc["backend"] == "cutlass" and doc["complete"] is True
     assert all(m["layout"] == "cutlass" for m in doc["modules"])
     assert doc["conversion"]["cutlass"].startswith("not possible")
+
+
+# --- the completion marker covers the whole folder (issue 22 item 7) -------------------------
+def _rewrite_completion(out, **changes):
+    p = out / "mxfp8_convert.complete.json"
+    done = json.loads(p.read_text())
+    done.update(changes)
+    p.write_text(json.dumps(done))
+    return done
+
+
+def test_empty_files_map_no_longer_passes(converted):
+    _, out = converted
+    listed = sorted(json.loads((out / "mxfp8_convert.complete.json").read_text())["files"])
+    _rewrite_completion(out, files={})
+    report = verify(out)
+    assert not report.ok
+    assert sorted(m.where for m in report.mismatches) == listed
+    assert {m.what for m in report.mismatches} == {"not listed in the completion marker"}
+    assert main(["verify", str(out), "--no-hashes"]) == 1
+
+
+def test_a_file_the_marker_does_not_list_is_refused(converted):
+    _, out = converted
+    (out / "sub").mkdir()
+    (out / "sub" / "extra.safetensors").write_bytes(b"x")
+    (out / "link").symlink_to(out / "config.json")
+    assert verify(out, check_hashes=False).mismatches == [
+        Mismatch("link", "not listed in the completion marker"),
+        Mismatch("sub/extra.safetensors", "not listed in the completion marker")]
+
+
+def test_no_hashes_still_catches_a_size_change(converted):
+    _, out = converted
+    shard = next(iter(sorted(out.glob("*.safetensors"))))
+    size = shard.stat().st_size
+    with open(shard, "ab") as f:
+        f.write(b"\0")
+    assert verify(out, check_hashes=False).mismatches == [
+        Mismatch(shard.name, f"size {size + 1} != recorded {size}")]
+
+
+def test_a_corrupted_byte_is_caught_by_the_hashes(converted):
+    _, out = converted
+    flip_byte(out, "model.norm.weight", 0)
+    shard = open_checkpoint(out).tensors["model.norm.weight"].file
+    assert verify(out).mismatches == [Mismatch(shard, "xxh3_128 hash differs from the completion marker")]
+    assert verify(out, check_hashes=False).ok  # what --no-hashes skips, its help says
+
+
+def test_a_listed_link_leading_out_of_the_folder_is_refused(converted, tmp_path):
+    _, out = converted
+    outside = tmp_path / "decoy.json"
+    outside.write_bytes((out / "config.json").read_bytes())  # same bytes: size and hash agree
+    (out / "config.json").unlink()
+    (out / "config.json").symlink_to(outside)
+    with pytest.raises(SourceError, match="^file 'config.json' is a link that leads outside the model folder$"):
+        verify(out)
+
+
+def test_completion_marker_with_escaping_paths_is_refused(converted):
+    _, out = converted
+    for rel in ("/etc/hostname", "../src/config.json"):
+        _rewrite_completion(out, files={rel: {"size": 1, "xxh3_128": "0" * 32}})
+        with pytest.raises(VerifyError, match="not a path inside the folder"):
+            verify(out)

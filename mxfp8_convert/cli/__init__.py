@@ -170,17 +170,16 @@ def _verify_and_push(out, result, repo: str, private: bool, branch: str | None) 
 
 
 def parse_size(text: str) -> int:
-    """'8GiB', '500MB', '1.5G' or a plain byte count -> bytes."""
-    units = {"": 1, "b": 1, "k": 1000, "kb": 1000, "kib": 1024, "m": 1000**2, "mb": 1000**2, "mib": 1024**2,
-             "g": 1000**3, "gb": 1000**3, "gib": 1024**3, "t": 1000**4, "tb": 1000**4, "tib": 1024**4}
-    t = text.strip().lower()
-    num = t.rstrip("kmgtib")
+    """'8GiB', '500MB', '1.5G' or a plain byte count -> bytes, read by pydantic's ``ByteSize``:
+    KB/MB/GB (and K/M/G) are powers of 1000, KiB/MiB/GiB powers of 1024, as ``human_bytes``
+    prints them."""
+    from pydantic import ByteSize, TypeAdapter, ValidationError
+
     try:
-        value = float(num)
-        factor = units[t[len(num):].strip()]
-    except (ValueError, KeyError):
-        raise typer.BadParameter(f"{text!r} is not a size like 8GiB or 500MB", param_hint="--max-memory") from None
-    return int(value * factor)
+        return int(TypeAdapter(ByteSize).validate_python(text.strip()))
+    except ValidationError:
+        raise typer.BadParameter(f"{text!r} is not a size like 8GiB or 500MB",
+                                 param_hint="--max-memory") from None
 
 
 @app.command("finalize", cls=JsonErrorCommand)
@@ -340,7 +339,7 @@ def _kept_summary(kept: tuple[str, ...]) -> str:
 def verify_cmd(
     path: Annotated[str, typer.Argument(metavar="OUT", help="A folder written by mxfp8-convert.")],
     source: Annotated[str | None, typer.Option("--source", help="The checkpoint it was converted from: invert every layout and compare bytes.")] = None,
-    no_hashes: Annotated[bool, typer.Option("--no-hashes", help="Skip re-hashing every file.")] = False,
+    no_hashes: Annotated[bool, typer.Option("--no-hashes", help="Skip re-hashing every file: a changed byte that keeps a file's size goes unseen (unless --source compares it). Sizes, missing and unlisted files are still checked.")] = False,
     source_format: Annotated[SourceFormat | None, typer.Option("--source-format", help="The source's format [default: the one the output records].")] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,

@@ -113,8 +113,8 @@ def table(title: str, columns: list[str], rows: list[list]) -> Table:
 
 
 def human_bytes(n: int) -> str:
-    for unit in ("B", "KB", "MB", "GB", "TB"):
-        if abs(n) < 1024 or unit == "TB":
-            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
-        n /= 1024
-    return str(n)
+    """``n`` bytes in binary units, as pydantic's ``ByteSize`` writes and ``parse_size`` reads
+    them (``1.5KiB``, ``953.7MiB``)."""
+    from pydantic import ByteSize
+
+    return ByteSize(n).human_readable()

@@ -2,7 +2,7 @@
 
 Every function takes and returns tensors only (no paths, devices, logging). They work on
 ``uint8`` views, so the same code moves e4m3 weights and UE8M0 scales, on CPU and CUDA alike.
-Source of truth: ../shared/SPEC.md section 2, checked against FlashInfer 0.7.2.post1.
+Source of truth: docs/LAYOUTS.md section 2, checked against FlashInfer 0.7.2.post1.
 """
 
 from mxfp8_convert.layouts.rows import (

@@ -2,7 +2,7 @@
 
 Target: ``fp8_quantization_type=Fp8QuantizationType.MxFp8``, ``use_shuffled_weight=True``,
 ``weight_layout=MajorK`` (the launcher refuses MxFp8 without both), gated activation (SwiGLU,
-GeGLU, ...). SPEC.md sections 2 and 6. Per expert:
+GeGLU, ...). docs/LAYOUTS.md sections 2 and 6. Per expert:
 
 * FC1 ``w13 [2I, H]`` is ``cat([up, gate])``: the first ``I`` rows are the linear ("up", w3)
   half, the last ``I`` rows the activated ("gate", w1) half. Rows are interleaved

@@ -1,7 +1,7 @@
 """P32 row shuffle of trtllm-gen weights (``flashinfer.shuffle_matrix_a``).
 
 Inside every 32-row block, output row ``p`` is input row ``32*(p//32) + 4*(p%8) + (p%32)//8``
-(SPEC.md section 2; ``get_shuffle_matrix_a_row_indices`` in ``flashinfer/utils.py``, with
+(docs/LAYOUTS.md section 2; ``get_shuffle_matrix_a_row_indices`` in ``flashinfer/utils.py``, with
 ``epilogue_tile_m=128``; any multiple of 128 gives the same permutation). The permutation only
 moves rows within 32-row blocks, so it commutes with slicing rows at multiples of 32.
 """

@@ -1,7 +1,7 @@
 """Scale-factor swizzles: 128x4 (weights and activations) and 8x4 (trtllm activations only).
 
 128x4 (``flashinfer.block_scale_interleave``, kernel index ``get_sf_out_offset_128x4``, cuBLAS
-"1D block scaling factors layout"; SPEC.md section 2): pad rows to ``Rp = ceil128(R)`` and
+"1D block scaling factors layout"; docs/LAYOUTS.md section 2): pad rows to ``Rp = ceil128(R)`` and
 columns to ``Cp = ceil4(C)`` with byte 0, then element ``(r, c)`` lands at
 ``(r//128)*(Cp/4)*512 + (c//4)*512 + (r%32)*16 + ((r%128)//32)*4 + c%4``.
 

@@ -2,7 +2,7 @@
 
 Linear ``[N, C]`` UE8M0 scales are zero-padded to ``ceil128(N)`` rows (FlashInfer asserts
 rows % 128 == 0; SGLang pads first, sglang PR #28459, for shapes such as the fused MLA
-N = 576), P32-shuffled like the weight rows, then 128x4-swizzled. SPEC.md section 2.
+N = 576), P32-shuffled like the weight rows, then 128x4-swizzled. docs/LAYOUTS.md section 2.
 Because P32 moves rows only inside 32-row blocks, scale row ``p`` belongs to physical
 weight row ``p`` of the shuffled weight.
 """

@@ -2,14 +2,18 @@
 
 What is checked, before any tensor data is read (FORMAT.md section 6):
 
-1. ``mxfp8_convert.complete.json`` exists and is JSON: a folder without it is a crashed or
-   running conversion (safetensors #295);
+1. ``mxfp8_convert.complete.json`` exists and is a valid completion marker: a folder without it
+   is a crashed or running conversion (safetensors #295);
 2. ``config.json``'s ``quantization_config`` is our marker: ``quant_method == "mxfp8_convert"``,
    a known ``format_version``, and layout names that match our backend table;
-3. the marker's backend is what the caller asked for, and the engine that will run it can run it
+3. every file the completion marker lists is inside the folder (no absolute path, no ``..``, no
+   link leading out but into the Hub cache's blobs) with its recorded size, and, with
+   ``check_hashes=True``, its recorded xxh3-128 hash; every file the loader reads (config, index,
+   shards) is listed there, so an index entry cannot lead anywhere else;
+4. the marker's backend is what the caller asked for, and the engine that will run it can run it
    on this device (a trtllm checkpoint on an SM120 GPU is refused, not re-laid-out);
-4. every shard carries the same marker in its ``__metadata__``;
-5. every laid-out module has its weight and scale with the shapes its layout implies.
+5. every shard carries the same marker in its ``__metadata__``;
+6. every laid-out module has its weight and scale with the shapes its layout implies.
 
 Bytes are loaded as stored: no shuffle, no swizzle, no re-quantization, ever.
 """
@@ -36,11 +40,14 @@ from mxfp8_convert.format import (  # noqa: F401 - the names are re-exported for
     META_TENSORS,
     QUANT_METHOD,
     SINGLE_FILE,
+    Completion,
     Marker,
+    file_digest,
     read_json,
 )
 from mxfp8_convert.format import CANONICAL_SUFFIX as CANONICAL_SCALE_SUFFIX
 from mxfp8_convert.format import SWIZZLED_SUFFIX as SCALE_SUFFIX
+from mxfp8_convert.read import safe_child
 from mxfp8_convert.runtime.select import check_engine
 from mxfp8_convert.runtime.weight import CANONICAL, MXFP8Weight
 
@@ -84,9 +91,12 @@ def read_marker(path: str | Path, *, backend: str | None = None) -> dict:
 
     Raises:
         SourceError: ``path`` is not a folder.
-        MarkerError: no completion marker, no/unknown/mismatched layout marker.
+        MarkerError: no or invalid completion marker, no/unknown/mismatched layout marker.
     """
-    root = Path(path)
+    return _read_markers(Path(path), backend)[0]
+
+
+def _read_markers(root: Path, backend: str | None) -> tuple[dict, Completion]:
     if not root.is_dir():
         raise SourceError(f"{root}: not a checkpoint folder")
     if not (root / COMPLETE_MARKER).is_file():
@@ -94,18 +104,44 @@ def read_marker(path: str | Path, *, backend: str | None = None) -> dict:
             f"{root}: no {COMPLETE_MARKER}: not a complete mxfp8-convert output (crashed or still running?)",
             hint="re-run the conversion; never load a folder without its completion marker",
         )
-    read_json(root / COMPLETE_MARKER, "completion marker")
+    done = Completion.read(root)
     if not (root / CONFIG_FILE).is_file():
         raise MarkerError(f"{root}: no {CONFIG_FILE}, so no layout marker",
                           hint="convert it with mxfp8-convert")
     marker = read_json(root / CONFIG_FILE, CONFIG_FILE).get("quantization_config")
     Marker.parse(marker, f"{root}/{CONFIG_FILE}")
+    if done.backend != marker["backend"]:
+        raise MarkerError(f"{root}: {COMPLETE_MARKER} says backend {done.backend}, "
+                          f"{CONFIG_FILE} says {marker['backend']}")
     if backend is not None and backend != marker["backend"]:
         raise MarkerError(
             f"{root}: checkpoint is laid out for {marker['backend']}, but {backend} was asked for",
             hint=f"run it with backend={marker['backend']!r} or convert the source for {backend}",
         )
-    return marker
+    return marker, done
+
+
+_CHANGED = "the folder changed after conversion: convert again, or see `mxfp8-convert verify`"
+
+
+def _check_files(root: Path, done: Completion, reads: list[str], check_hashes: bool) -> None:
+    """Raise unless every file the completion marker lists is inside ``root`` with its recorded
+    size (and hash), and every file in ``reads`` is one of them."""
+    for rel in reads:
+        if rel not in done.files:
+            raise MarkerError(f"{root / rel}: not listed in {COMPLETE_MARKER}", hint=_CHANGED)
+    for rel, rec in sorted(done.files.items()):
+        p = safe_child(root, rel, what=f"{COMPLETE_MARKER}: file")
+        try:
+            size = p.stat().st_size if p.is_file() else None
+        except OSError:
+            size = None
+        if size is None:
+            raise MarkerError(f"{p}: listed in {COMPLETE_MARKER} but missing or not a file", hint=_CHANGED)
+        if size != rec.size:
+            raise MarkerError(f"{p}: {size} bytes, {COMPLETE_MARKER} records {rec.size}", hint=_CHANGED)
+        if check_hashes and file_digest(p) != rec.xxh3_128:
+            raise MarkerError(f"{p}: xxh3_128 differs from {COMPLETE_MARKER}", hint=_CHANGED)
 
 
 def _check_flashinfer_version(marker: dict, root: Path) -> None:
@@ -124,10 +160,15 @@ def _check_flashinfer_version(marker: dict, root: Path) -> None:
 def _shard_files(root: Path) -> list[str]:
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = read_json(index, "index").get("weight_map")
+        weight_map = read_json(safe_child(root, INDEX_FILE, what="index"), "index").get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise SourceError(f"{index}: no weight_map")
-        return sorted(set(weight_map.values()))
+        if not all(isinstance(rel, str) for rel in weight_map.values()):
+            raise SourceError(f"{index}: weight_map must map tensor names to file names")
+        shards = sorted(set(weight_map.values()))
+        for rel in shards:
+            safe_child(root, rel, what=f"{index}: shard")
+        return shards
     if (root / SINGLE_FILE).is_file():
         return [SINGLE_FILE]
     raise SourceError(f"{root}: neither {INDEX_FILE} nor {SINGLE_FILE}")
@@ -135,7 +176,7 @@ def _shard_files(root: Path) -> list[str]:
 
 def _read_shard(root: Path, shard: str, marker: dict, device: str) -> tuple[dict, dict]:
     """All tensors of one shard on ``device`` and its per-tensor records; checks its marker."""
-    path = root / shard
+    path = safe_child(root, shard, what="shard")
     if not path.is_file():
         raise SourceError(f"{path}: shard listed in the index is missing")
     with safe_open(str(path), framework="pt", device=device) as f:
@@ -192,6 +233,7 @@ def load_checkpoint(
     backend: str | None = None,
     engine: str = "auto",
     check_flashinfer_version: bool = True,
+    check_hashes: bool = False,
 ) -> MXFP8Checkpoint:
     """Load a converted checkpoint's tensors onto ``device``, exactly as stored.
 
@@ -203,6 +245,8 @@ def load_checkpoint(
             run it, checked against the layouts found and the device.
         check_flashinfer_version: for the flashinfer engine, refuse a FlashInfer release other than
             the one the layouts were reproduced from.
+        check_hashes: also recompute every listed file's xxh3-128 and compare it with the
+            completion marker (reads every byte once more; sizes are always checked).
 
     Returns:
         :class:`MXFP8Checkpoint` with the MXFP8 weights by module name and every other tensor.
@@ -211,14 +255,17 @@ def load_checkpoint(
         SourceError, MarkerError, LayoutError, BackendUnavailableError: see the module docstring.
     """
     root = Path(path)
-    marker = read_marker(root, backend=backend)
+    marker, done = _read_markers(root, backend)
+    shards = _shard_files(root)
+    has_index = (root / INDEX_FILE).is_file()
+    _check_files(root, done, [CONFIG_FILE, *([INDEX_FILE] if has_index else []), *shards], check_hashes)
     device = str(torch.device(device))
     name = check_engine(engine, device, marker["backend"])
     if name == "flashinfer" and check_flashinfer_version:
         _check_flashinfer_version(marker, root)
     tensors: dict[str, torch.Tensor] = {}
     records: dict[str, dict] = {}
-    for shard in _shard_files(root):
+    for shard in shards:
         t, r = _read_shard(root, shard, marker, device)
         tensors.update(t)
         records.update(r)

@@ -1,8 +1,8 @@
 """Fused MoE on laid-out MXFP8 experts: FlashInfer's trtllm-gen kernel, Triton, or a reference.
 
 A layer's experts are held as :class:`MXFP8MoEWeights`, in the layout of FlashInfer's
-``trtllm_fp8_block_scale_moe`` with ``Fp8QuantizationType.MxFp8`` (``layouts/moe.py``, SPEC.md
-section 6): FC1 ``w13 [E, 2I, H]`` = ``cat([up, gate])`` rows interleaved then P32, FC2
+``trtllm_fp8_block_scale_moe`` with ``Fp8QuantizationType.MxFp8`` (``layouts/moe.py``,
+docs/LAYOUTS.md section 6): FC1 ``w13 [E, 2I, H]`` = ``cat([up, gate])`` rows interleaved then P32, FC2
 ``w2 [E, H, I]`` P32, scales the same rows then 128x4 tiles.
 
 Semantics, on every engine (FlashInfer's docstring of ``trtllm_fp8_block_scale_moe`` and its test
@@ -268,7 +268,7 @@ def _scale_tiles(s: torch.Tensor, tiles: tuple[int, ...], linear: tuple[int, ...
     The tile shape is what tells laid-out scales from canonical ones: FlashInfer's kernel-shaped
     ``[E, 2I, H/32]`` view of the swizzled bytes has exactly the shape of a canonical *linear*
     scale (SGLang's ``w13_weight_scale_inv``), so accepting it would let unswizzled scales in
-    as silent garbage (SPEC.md section 5, sglang #38028).
+    as silent garbage (docs/LAYOUTS.md section 5, sglang #38028).
     """
     if s.element_size() != 1 or (s.is_floating_point() and s.dtype != torch.float8_e8m0fnu):
         raise LayoutError(f"{what} must be uint8 (or float8_e8m0fnu) UE8M0 codes, got {s.dtype}")

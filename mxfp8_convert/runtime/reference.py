@@ -1,7 +1,7 @@
 """Exact CPU reference of the MXFP8 linear: quantize activations, dequantize, matmul in float32.
 
 This is both the ``reference`` engine and the oracle the faster engines are tested against.
-Activation quantization follows FlashInfer's recipe (SPEC.md section 1, host code
+Activation quantization follows FlashInfer's recipe (docs/LAYOUTS.md section 1, host code
 ``fp8Quantize.cpp``, ``float_to_ue8m0``), per 1x32 block along K:
 
 - ``v = fl32(amax * fl32(1/448))``; ``code`` = the exponent field of ``v`` rounded up when ``v``

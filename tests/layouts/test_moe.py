@@ -17,6 +17,7 @@ from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts import moe
 from mxfp8_convert.layouts.rows import p32_shuffle_rows
 from mxfp8_convert.layouts.swizzle import swizzle_128x4
+from tests.checkpoints import spec_swizzle_128x4
 
 fi_core = pytest.importorskip("flashinfer.fused_moe.core")
 fi_shuffle_matrix_a = pytest.importorskip("flashinfer").shuffle_matrix_a
@@ -48,23 +49,6 @@ def assert_bytes_equal(got: torch.Tensor, want: torch.Tensor, dims: tuple[str, .
 
 W_DIMS = ("expert", "row", "byte")
 TILE_DIMS = ("expert", "row tile", "col tile", "byte")
-
-
-def spec_swizzle_128x4(s: torch.Tensor) -> torch.Tensor:
-    """SPEC.md section 2, literally: scatter (r, c) to its offset; R % 128 == 0, C % 4 == 0."""
-    r, c = s.shape
-    rr = torch.arange(r).unsqueeze(1)
-    cc = torch.arange(c).unsqueeze(0)
-    off = (
-        (rr // 128) * (c // 4) * 512
-        + (cc // 4) * 512
-        + (rr % 32) * 16
-        + ((rr % 128) // 32) * 4
-        + cc % 4
-    )
-    out = torch.zeros(r * c, dtype=torch.uint8)
-    out[off.flatten()] = s.flatten()
-    return out
 
 
 # --- FlashInfer references, one expert at a time -------------------------------------------

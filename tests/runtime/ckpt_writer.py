@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import torch
+import xxhash
 from safetensors.torch import save_file
 
 from mxfp8_convert.backends import (
@@ -19,7 +20,7 @@ from mxfp8_convert.backends import (
     FLASHINFER_LAYOUT_VERSION,
     FORMAT_VERSION,
 )
-from mxfp8_convert.runtime.load import COMPLETE_MARKER, SCALE_SUFFIX
+from mxfp8_convert.runtime.load import SCALE_SUFFIX
 from mxfp8_convert.runtime.weight import CANONICAL, MXFP8Weight
 
 
@@ -116,8 +117,23 @@ def write_checkpoint(
     cfg = {"architectures": ["TinyForTest"], **(config or {}), "quantization_config": marker}
     (root / "config.json").write_text(json.dumps(cfg, indent=2))
     if complete:
-        (root / COMPLETE_MARKER).write_text(json.dumps({"format_version": FORMAT_VERSION, "complete": True}))
+        write_completion(root, backend)
     return root
+
+
+def write_completion(root: str | Path, backend: str) -> dict:
+    """Write the completion marker of FORMAT.md section 1a over every file now in ``root``
+    (size and xxh3-128 of each, hashed here with xxhash itself); returns it."""
+    root = Path(root)
+    files = {}
+    for p in sorted(root.rglob("*")):
+        rel = p.relative_to(root).as_posix()
+        if p.is_file() and rel != "mxfp8_convert.complete.json":
+            files[rel] = {"size": p.stat().st_size, "xxh3_128": xxhash.xxh3_128(p.read_bytes()).hexdigest()}
+    done = {"format_version": FORMAT_VERSION, "backend": backend, "tool_version": "0.1.0",
+            "source_fingerprint": "sha256:" + "0" * 64, "quantization_errors": {}, "files": files}
+    (root / "mxfp8_convert.complete.json").write_text(json.dumps(done))
+    return done
 
 
 def write_canonical_source(root: str | Path, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Path:

@@ -15,7 +15,7 @@ from mxfp8_convert.runtime import (
     quantize_mxfp8,
     read_marker,
 )
-from tests.runtime.ckpt_writer import make_marker, write_checkpoint
+from tests.runtime.ckpt_writer import make_marker, write_checkpoint, write_completion
 
 LAYOUTS = ("trtllm", "cutlass")
 
@@ -121,6 +121,7 @@ def test_refuses_shard_marker_mismatch_or_absence(tmp_path):
 
     tensors = load_file(str(root / "model.safetensors"))
     save_file(tensors, str(root / "model.safetensors"))  # metadata gone
+    write_completion(root, "trtllm")  # as if written so: the marker check is what refuses it
     with pytest.raises(MarkerError, match="no mxfp8_convert marker"):
         load_checkpoint(root)
 
@@ -139,10 +140,12 @@ def test_refuses_bad_tensor_shapes(tmp_path):
         tensors = {k: f.get_tensor(k) for k in f.keys()}
     tensors[f"{name}.weight_scale_swizzled"] = tensors[f"{name}.weight_scale_swizzled"][:, :1].contiguous()
     save_file(tensors, str(root / "model.safetensors"), metadata=meta)
+    write_completion(root, "trtllm")
     with pytest.raises(LayoutError, match="scale of a"):
         load_checkpoint(root)
     del tensors[f"{name}.weight"]
     save_file(tensors, str(root / "model.safetensors"), metadata=meta)
+    write_completion(root, "trtllm")
     with pytest.raises(LayoutError, match="scale without its weight"):
         load_checkpoint(root)
 
@@ -184,3 +187,96 @@ def test_reads_format_version_1_as_well(tmp_path):
     marker = make_marker("trtllm", format_version=1)
     write_checkpoint(tmp_path / "ck", _weights("trtllm"), backend="trtllm", marker=marker)
     assert load_checkpoint(tmp_path / "ck").marker["format_version"] == 1
+
+
+# --- the completion marker is checked in full (issue 22 item 7) -------------------------------
+def _sealed(tmp_path, shards=2):
+    return write_checkpoint(tmp_path / "ck", _weights("trtllm"), _other(), backend="trtllm", shards=shards)
+
+
+def _index(root):
+    return json.loads((root / "model.safetensors.index.json").read_text())
+
+
+def _point_index_at(root, shard, target):
+    """Make the index send every tensor of ``shard`` to ``target``, then re-seal the folder."""
+    index = _index(root)
+    index["weight_map"] = {k: (target if v == shard else v) for k, v in index["weight_map"].items()}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
+    write_completion(root, "trtllm")
+
+
+def test_refuses_a_size_change_of_any_listed_file(tmp_path):
+    root = _sealed(tmp_path)
+    with open(root / "model-00002-of-00002.safetensors", "ab") as f:
+        f.write(b"\0")
+    with pytest.raises(MarkerError, match=r"model-00002-of-00002.safetensors: (\d+) bytes, "
+                                          r"mxfp8_convert.complete.json records \d+$"):
+        load_checkpoint(root)
+    root = _sealed(tmp_path / "b")
+    (root / "config.json").write_text((root / "config.json").read_text() + " ")
+    with pytest.raises(MarkerError, match="config.json: .* bytes"):
+        load_checkpoint(root)
+
+
+def test_hash_check_catches_a_flipped_byte(tmp_path):
+    root = _sealed(tmp_path)
+    shard = root / "model-00001-of-00002.safetensors"
+    data = bytearray(shard.read_bytes())
+    data[-1] ^= 0x01  # inside the last tensor's bytes: the size is unchanged
+    shard.write_bytes(bytes(data))
+    with pytest.raises(MarkerError, match=f"^{shard}: xxh3_128 differs from mxfp8_convert.complete.json$"):
+        load_checkpoint(root, check_hashes=True)
+    load_checkpoint(root)  # the default checks sizes only
+
+
+def test_refuses_missing_or_unlisted_files(tmp_path):
+    root = _sealed(tmp_path)
+    done = json.loads((root / COMPLETE_MARKER).read_text())
+    del done["files"]["model-00001-of-00002.safetensors"]
+    (root / COMPLETE_MARKER).write_text(json.dumps(done))
+    with pytest.raises(MarkerError, match="model-00001-of-00002.safetensors: not listed in mxfp8_convert.complete.json$"):
+        load_checkpoint(root)
+    root = _sealed(tmp_path / "b")
+    (root / "model-00002-of-00002.safetensors").unlink()
+    with pytest.raises(MarkerError, match="model-00002-of-00002.safetensors: listed in mxfp8_convert.complete.json "
+                                          "but missing or not a file$"):
+        load_checkpoint(root)
+    root = _sealed(tmp_path / "c")
+    (root / COMPLETE_MARKER).write_text(json.dumps({"format_version": 1, "complete": True}))
+    with pytest.raises(MarkerError, match="not a format_version 1/2 completion marker"):
+        load_checkpoint(root)
+
+
+@pytest.mark.parametrize("how", ["absolute", "dotdot"])
+def test_refuses_index_entries_outside_the_folder(tmp_path, how):
+    """An index entry naming a shard outside the folder is refused, and that shard never read,
+    even when it is a valid checkpoint shard (a decoy outside the folder)."""
+    decoy = write_checkpoint(tmp_path / "decoy", _weights("trtllm", seed=1), backend="trtllm", shards=2)
+    root = _sealed(tmp_path)
+    outside = decoy / "model-00001-of-00002.safetensors"
+    target = str(outside) if how == "absolute" else "../decoy/model-00001-of-00002.safetensors"
+    _point_index_at(root, "model-00001-of-00002.safetensors", target)
+    with pytest.raises(SourceError, match=f"shard '{target}' is not a path inside the model folder$"):
+        load_checkpoint(root)
+
+
+def test_refuses_a_shard_that_is_a_link_out_of_the_folder(tmp_path):
+    decoy = write_checkpoint(tmp_path / "decoy", _weights("trtllm"), _other(), backend="trtllm", shards=2)
+    root = _sealed(tmp_path)
+    shard = root / "model-00001-of-00002.safetensors"
+    shard.unlink()
+    shard.symlink_to(decoy / "model-00001-of-00002.safetensors")  # the same bytes: size and hash agree
+    with pytest.raises(SourceError, match="shard 'model-00001-of-00002.safetensors' is a link that leads "
+                                          "outside the model folder$"):
+        load_checkpoint(root, check_hashes=True)
+
+
+def test_a_link_inside_the_folder_loads(tmp_path):
+    root = _sealed(tmp_path)
+    (root / "blobs").mkdir()
+    shard = root / "model-00001-of-00002.safetensors"
+    shard.rename(root / "blobs" / "x")
+    shard.symlink_to("blobs/x")
+    write_completion(root, "trtllm")
+    assert set(load_checkpoint(root, check_hashes=True).weights) == set(_weights("trtllm"))
