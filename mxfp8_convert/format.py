@@ -553,9 +553,12 @@ class Completion(_Record):
         return cls.parse(read_json(path, "completion marker", error=error), str(path), error=error)
 
 
-def file_digest(path: str | Path) -> str:
-    """The ``xxh3_128`` of a ``files`` entry: hex xxh3-128 digest of the file's bytes (a regular
-    file, opened without following a link and without waiting on a FIFO)."""
+def file_digest(path: str | Path, *, follow_links: bool = True) -> str:
+    """The ``xxh3_128`` of a ``files`` entry: hex xxh3-128 digest of the file's bytes.
+
+    The file must be a regular one (a FIFO is refused, not waited on). ``follow_links=False``
+    refuses a link too (our own work folder's files); a downloaded output's files may be links
+    into the Hub cache's blobs, which the loader and ``verify`` check are inside the folder."""
     import errno
     import os
     import stat
@@ -563,7 +566,9 @@ def file_digest(path: str | Path) -> str:
     import xxhash
 
     h = xxhash.xxh3_128()
-    flags = os.O_RDONLY | getattr(os, "O_NOFOLLOW", 0) | getattr(os, "O_NONBLOCK", 0)
+    flags = os.O_RDONLY | getattr(os, "O_NONBLOCK", 0)
+    if not follow_links:
+        flags |= getattr(os, "O_NOFOLLOW", 0)
     fd = os.open(path, flags)
     with os.fdopen(fd, "rb") as f:
         if not stat.S_ISREG(os.fstat(fd).st_mode):

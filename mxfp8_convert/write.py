@@ -728,7 +728,7 @@ def _intact(path: Path, rec: dict) -> bool:
     try:
         st = os.lstat(path)
         return (stat.S_ISREG(st.st_mode) and st.st_size == rec.get("size")
-                and file_digest(path) == rec.get("xxh3_128"))
+                and file_digest(path, follow_links=False) == rec.get("xxh3_128"))
     except OSError:
         return False
 
