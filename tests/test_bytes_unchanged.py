@@ -31,6 +31,9 @@ REPO = Path(__file__).resolve().parent.parent
 SPEC = SynthSpec(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=3,
                  extra_modules=(("self_attn.kv_a_proj_with_mqa", 576, 256),))
 MOE = replace(SPEC, experts=4, moe_intermediate=256, shared_expert=True)
+#: per-tensor record keys added on purpose after REFERENCE_COMMIT: why a module was kept canonical
+#: (docs/FORMAT.md section 3). Checked to be there on the new side, then left out of the comparison.
+ADDED_RECORD_KEYS = ("reason",)
 
 
 @pytest.fixture(scope="module")
@@ -86,7 +89,15 @@ def _same(a: Path, b: Path) -> None:
     for name in ta:
         assert ta[name][:2] == tb[name][:2], name
         assert ta[name][2] == tb[name][2], f"{name}: bytes differ"
-    assert _metadata(a) == _metadata(b)
+    ma, mb = _metadata(a), _metadata(b)
+    for rec in mb.get("mxfp8_convert.tensors", {}).values():
+        if rec.get("layout") == "canonical":
+            assert rec.get("reason"), rec
+    for records in (ma.get("mxfp8_convert.tensors", {}), mb.get("mxfp8_convert.tensors", {})):
+        for rec in records.values():
+            for key in ADDED_RECORD_KEYS:
+                rec.pop(key, None)
+    assert ma == mb
     assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
     errors = [json.loads((p / "mxfp8_convert.complete.json").read_text())["quantization_errors"] for p in (a, b)]
     assert errors[0] == errors[1]

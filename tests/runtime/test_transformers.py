@@ -244,11 +244,12 @@ def test_experts_of_another_activation_refused(tmp_path):
     src, _ = _source(tmp_path, "qwen3_moe")
     out = tmp_path / "out"
     convert(str(src), "trtllm", out)
+    ckpt = load_checkpoint(out)  # before the edit: the loader refuses a file the marker does not describe
     cfg = json.loads((out / "config.json").read_text())
     cfg["hidden_act"] = "gelu"
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(LayoutError) as e:
-        load_into(_fresh(out, torch.float32), load_checkpoint(out), strict=False)
+        load_into(_fresh(out, torch.float32), ckpt, strict=False)
     assert str(e.value) == (
         "model.layers.0.mlp.experts: the checkpoint holds these experts in MXFP8 (fused), "
         "but the model's experts have an activation other than silu(gate) * up over "
