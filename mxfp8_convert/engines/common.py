@@ -324,3 +324,38 @@ def engine_for(device, layout: str) -> str:
     if layout == CANONICAL and name == "flashinfer":
         name = "triton"
     return check_engine(name, device, layout)
+
+
+def rank_tensors(layout: str, prefix: str, output_partition_sizes: list[int], k: int):
+    """The empty per-rank tensors of a linear layer in ``layout``, in their final layout.
+
+    ``output_partition_sizes`` are this rank's row counts of the layer's parts (one, or the
+    fused q/k/v or gate/up parts) and ``k`` its K. Returns ``[(name, tensor, grid), ...]`` for
+    the weight (``float8_e4m3fn [N_rank, K_rank]``) and the scale (``uint8`` tiles
+    ``[N_rank/128, K_rank/128, 512]``, or ``[N_rank, K_rank/32]`` kept canonical), under the
+    checkpoint's tensor names.
+
+    Raises:
+        LayoutError: a part is not on whole scale tiles (the ``tp_compat`` check is the
+            engine's start-up refusal; this is the last guard).
+    """
+    from mxfp8_convert._lazy import torch
+
+    n = sum(output_partition_sizes)
+    g_w, g_s = grid(layout, "weight"), grid(layout, "scale")
+    for size in output_partition_sizes:
+        if size % g_s.row_align or k % g_s.col_align:
+            raise LayoutError(f"{prefix}: per-rank part [{size}, {k}] is not on "
+                              f"{g_s.row_align}-row / {g_s.col_align}-column tiles")
+    weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    scale = torch.zeros(n // g_s.rows, k // g_s.cols, *([512] if g_s.rows > 1 else []),
+                        dtype=torch.uint8)
+    suffix = SCALE_SUFFIX if layout != CANONICAL else CANONICAL_SCALE_SUFFIX
+    return [("weight", weight, g_w), (suffix, scale, g_s)]
+
+
+def apply_linear(run, weight, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    """``x @ W.T (+ bias)`` through the layer's engine ``run`` on any leading shape, in ``x``'s
+    dtype (the kernels write bf16)."""
+    out = run(x.reshape(-1, x.shape[-1]), weight, bias)
+    return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])

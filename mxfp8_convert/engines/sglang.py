@@ -131,22 +131,12 @@ class MXFP8ConvertLinearMethod(LinearMethodBase):
                        output_size, params_dtype, **extra_weight_attrs):
         """Per-rank parameters in their final layout; ``skip_block_quant_check`` has no use here."""
         loader = extra_weight_attrs["weight_loader"]
-        n, k = sum(output_partition_sizes), input_size_per_partition
-        g_w, g_s = common.grid(self.layout, "weight"), common.grid(self.layout, "scale")
-        for size in output_partition_sizes:
-            if size % g_s.row_align or k % g_s.col_align:
-                raise LayoutError(f"{self.prefix}: per-rank part [{size}, {k}] is not on "
-                                  f"{g_s.row_align}-row / {g_s.col_align}-column tiles")
-        weight = torch.empty(n, k, dtype=torch.float8_e4m3fn)
-        scale = torch.zeros(n // g_s.rows, k // g_s.cols, *([512] if g_s.rows > 1 else []),
-                            dtype=torch.uint8)
-        suffix = (common.SCALE_SUFFIX if self.layout != common.CANONICAL
-                  else common.CANONICAL_SCALE_SUFFIX)
-        for name, data, g in (("weight", weight, g_w), (suffix, scale, g_s)):
-            param = MXFP8Parameter(data=data, weight_loader=loader, grid=g,
-                                   name=f"{self.prefix}.{name}")
-            layer.register_parameter(name, param)
-        layer.mxfp8_scale_name = suffix
+        tensors = common.rank_tensors(self.layout, self.prefix, output_partition_sizes,
+                                      input_size_per_partition)
+        for name, data, g in tensors:
+            layer.register_parameter(name, MXFP8Parameter(
+                data=data, weight_loader=loader, grid=g, name=f"{self.prefix}.{name}"))
+        layer.mxfp8_scale_name = tensors[1][0]
 
     def process_weights_after_loading(self, layer) -> None:
         """No copy, no re-layout: the runtime's weight type over the loaded parameters' storage."""
@@ -160,9 +150,7 @@ class MXFP8ConvertLinearMethod(LinearMethodBase):
         layer.mxfp8_run = _engine_run(layer.mxfp8_engine)
 
     def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        w = layer.mxfp8_weight
-        out = layer.mxfp8_run(x.reshape(-1, x.shape[-1]), w, bias)
-        return out.to(x.dtype).reshape(*x.shape[:-1], w.shape[0])
+        return common.apply_linear(layer.mxfp8_run, layer.mxfp8_weight, x, bias)
 
 
 class MXFP8ConvertConfig(QuantizationConfig):
