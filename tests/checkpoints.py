@@ -85,3 +85,20 @@ def flip_byte(out: Path, tensor: str, index: int) -> None:
         b = f.read(1)
         f.seek(info.begin + index)
         f.write(bytes([b[0] ^ 0x01]))
+
+
+class Stop(KeyboardInterrupt):
+    """What ``interrupt_after`` raises: an interrupt the test can tell from a real one."""
+
+
+def interrupt_after(shards: int):
+    """A progress callback that raises ``Stop`` once ``shards`` shards are finished."""
+    seen: set[str] = set()
+
+    def on_event(e):
+        if e.shard:
+            seen.add(e.shard)
+        if len(seen) > shards:
+            raise Stop()
+
+    return on_event

@@ -18,28 +18,11 @@ from mxfp8_convert import convert
 from mxfp8_convert.errors import OutputError
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
 from mxfp8_convert.verify import verify
-from tests.checkpoints import tree_hashes
+from tests.checkpoints import Stop, interrupt_after, tree_hashes
 
 SMALL = SynthSpec(layers=3, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=3)
 # big enough that a conversion spends a while writing: 6 shards, ~40 MB
 BIG = SynthSpec(layers=6, hidden=768, intermediate=2048, heads=8, kv_heads=4, vocab=1024, shards=6)
-
-
-class Stop(KeyboardInterrupt):
-    pass
-
-
-def interrupt_after(shards: int):
-    """A progress callback that raises KeyboardInterrupt once ``shards`` shards are finished."""
-    seen: set[str] = set()
-
-    def on_event(e):
-        if e.shard:
-            seen.add(e.shard)
-        if len(seen) > shards:
-            raise Stop()
-
-    return on_event
 
 
 def partial(out):

@@ -28,6 +28,7 @@ from mxfp8_convert.errors import OutputError, SourceError
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
 from mxfp8_convert.verify import verify
 from mxfp8_convert.write import file_digest
+from tests.checkpoints import Stop, interrupt_after
 from tests.hostile import leftovers, run_cli, small_model, tree_state
 
 SHARDED = SynthSpec(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256,
@@ -58,21 +59,6 @@ def _backend(out: Path) -> str:
 
 def work(dest: Path) -> Path:
     return dest.parent / f".{dest.name}.mxfp8-partial"
-
-
-class Stop(KeyboardInterrupt):
-    pass
-
-
-def stop_after(shards: int):
-    seen: set[str] = set()
-
-    def on_event(e):
-        if e.shard:
-            seen.add(e.shard)
-        if len(seen) > shards:
-            raise Stop()
-    return on_event
 
 
 # --- 1. symlinks and foreign folders where our work folder and files go ---------------------
@@ -126,7 +112,7 @@ def test_links_planted_in_our_work_folder_are_unlinked_not_followed(world, name)
     writes (the manifest's temp file, an unfinished shard): it resumes, the target is untouched."""
     src, decoy, out, state = world
     with pytest.raises(Stop):
-        convert(src, "trtllm", out, progress=stop_after(1))
+        convert(src, "trtllm", out, progress=interrupt_after(1))
     os.symlink(decoy / "notes.txt", work(out) / name)
     before = state()
     convert(src, "trtllm", out)
