@@ -1,20 +1,31 @@
-"""Apply one plan entry to in-memory tensors. No disk, no rich, no flashinfer.
+"""The bytes of one tensor plan, produced from views of the source. No disk, no rich, no
+flashinfer.
 
-The weight is laid out in row chunks (P32 moves rows only within 32-row blocks, so any chunk
-of a multiple of 32 rows is laid out on its own), which keeps memory bounded by the chunk,
-not the tensor. Scales are ~1/32 of the weight and are laid out whole.
+``ShardTransform`` produces an output shard's tensors one after the other and hands their bytes
+to a sink (``write.ShardWriter``): unchanged bytes straight from the source mapping, P32 rows
+of 8 KiB or more as row copies from it, narrower rows shuffled in a pooled buffer, and modules
+whose canonical bytes must be computed (laid-out, FP8 and dense sources, fused MoE experts) one
+module at a time. The weight is laid out in row chunks (P32 moves rows only within 32-row
+blocks, so any chunk of a multiple of 32 rows is laid out on its own), which keeps memory
+bounded by the chunk, not the tensor. Scales are ~1/32 of the weight and are laid out whole.
+The functions below it are the per-module math, also used by ``verify``.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
+import xxhash
 
+from mxfp8_convert._buffers import BufferPool
 from mxfp8_convert._lazy import torch
-from mxfp8_convert.backends import BackendSpec
+from mxfp8_convert.backends import BACKENDS, BackendSpec
+from mxfp8_convert.dtypes import torch_dtype
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.format import CANONICAL_LAYOUT, LAYOUTS
+from mxfp8_convert.layouts import p32_row_order, p32_shuffle_rows, p32_shuffle_rows_array
 from mxfp8_convert.layouts.moe import (
     moe_fc1_scale_from_canonical,
     moe_fc1_scale_to_canonical,
@@ -26,13 +37,280 @@ from mxfp8_convert.layouts.moe import (
     moe_fc2_weight_to_canonical,
 )
 from mxfp8_convert.layouts.rows import P32_BLOCK
-from mxfp8_convert.plan import ModulePlan, TensorPlan
+from mxfp8_convert.plan import ModulePlan, MoELayerPlan, TensorPlan
+from mxfp8_convert.read import ShardReader, TensorInfo, chunk_ranges, find_bytes
 
 if TYPE_CHECKING:
     from mxfp8_convert.quantize import QuantError
 
+#: bytes read, laid out and queued at a time
+CHUNK_BYTES = 32 << 20
+#: chunks queued for the writer thread while the next one is read and laid out
+PIPELINE_DEPTH = 2
+#: P32 rows at least this long are written straight from the source mapping by vectored writes
+#: (ShardWriter.copy_rows) rather than shuffled in memory and written (BENCHMARKS.md)
+ROW_COPY_MIN_BYTES = 8192
+E4M3_NAN_BYTES = bytes([0x7F, 0xFF])
 
 _P32_ROWS, _IDENTITY = LAYOUTS["trtllm"].weight, LAYOUTS["cutlass"].weight
+
+#: ``scan(piece, at)``: checks the bytes ``piece`` found at offset ``at`` of the data written
+Scan = Callable[[memoryview, int], None]
+
+
+class Sink(Protocol):
+    """Where ``ShardTransform`` puts a shard's bytes, in order (``write.ShardWriter``).
+
+    ``release(data)`` is called once the sink is done with ``data``; ``scan`` checks every
+    piece and ``source`` (a hasher) hashes it, in the sink's one pass over the bytes.
+    """
+
+    def write(self, data, release=None, *, scan: Scan | None = None, source=None) -> None: ...
+
+    def copy_rows(self, row_bytes: int, order: list[int], view, release=None, *,
+                  group: int = 32, scan: Scan | None = None, source=None) -> None: ...
+
+
+class ShardTransform:
+    """Produces the bytes of one output shard's tensor plans from views of the source.
+
+    One per shard being written (so per worker thread): it holds the shard's buffer pool, the
+    canonical bytes of the modules in flight and the hashes of the source tensors it read.
+
+    Args:
+        tensors: the source's tensors by name (``SourceCheckpoint.tensors``).
+        modules: module plans by name; ``moe``: fused MoE layer plans by name.
+        backend: the target backend.
+        reader: the open ``ShardReader`` of a source tensor's file (the caller opens and
+            closes them).
+        errors: module -> quantization error record, filled as modules are computed (shared
+            by the workers: one key per module).
+    """
+
+    def __init__(self, tensors: dict[str, TensorInfo], modules: dict[str, ModulePlan],
+                 moe: dict[str, MoELayerPlan], backend: BackendSpec,
+                 reader: Callable[[TensorInfo], ShardReader], errors: dict[str, dict]) -> None:
+        self.tensors, self.modules, self.moe, self.backend = tensors, modules, moe, backend
+        self.reader, self.errors = reader, errors
+        self.pool = BufferPool(CHUNK_BYTES, PIPELINE_DEPTH + 2)  # queued + in hand
+        self.pending: dict[str, tuple] = {}  # module -> canonical (q, s) until both are written
+        self.hashes: dict[str, xxhash.xxh3_64] = {}  # source_key -> hasher of its bytes
+
+    def source_hashes(self) -> dict[str, str]:
+        """``source_key -> xxh3_64`` of every source tensor read so far."""
+        return {k: h.hexdigest() for k, h in self.hashes.items()}
+
+    def produce(self, t: TensorPlan, sink: Sink) -> Iterator[int]:
+        """Queue the output bytes of tensor ``t`` on ``sink``; yield the size of each piece.
+
+        Raises:
+            LayoutError: a NaN in the source (e4m3 byte 0x7F/0xFF, UE8M0 byte 255, NaN/Inf in
+                a computed module), a bad shape, naming the tensor.
+        """
+        m = self.modules.get(t.module) if t.module else None
+        if t.module in self.moe:
+            yield from self._fused(t, self.moe[t.module], sink)
+        elif m is None:
+            yield from self._copy(self.tensors[t.source], sink, check_nan=False)
+        elif m.action == "dequantize":
+            yield from self._dequantized(t, m, sink)
+        elif m.action in ("relayout", "keep") and m.source_backend is None:
+            yield from self._stream_mxfp8(t, m, sink)
+        else:
+            yield from self._from_canonical(t, m, sink)
+
+    # --- sources ---------------------------------------------------------------------------
+
+    def source(self, info: TensorInfo) -> torch.Tensor:
+        """Zero-copy view of a source tensor in its own dtype and shape."""
+        view = self.reader(info).view(info.begin, info.nbytes)
+        return view.view(torch_dtype(info.dtype)).reshape(info.shape)
+
+    def _source_hasher(self, info: TensorInfo):
+        """A new hasher for source tensor ``info``'s bytes, or None if they are hashed already."""
+        key = source_key(info)
+        if key in self.hashes:
+            return None
+        h = self.hashes[key] = xxhash.xxh3_64()
+        return h
+
+    def _hash_whole(self, info: TensorInfo) -> None:
+        """Hash source tensor ``info`` in one go (tensors read whole: scales, computed modules)."""
+        h = self._source_hasher(info)
+        if h is not None:
+            h.update(self.reader(info).bytes(info.begin, info.nbytes))
+
+    def _drop(self, m: ModulePlan) -> None:
+        """Done with a module's source bytes: let their pages leave the resident set."""
+        for info in (m.weight, m.scale):
+            if info is not None:
+                self.reader(info).drop(info.begin, info.nbytes)
+
+    # --- bytes moved, not computed ---------------------------------------------------------
+
+    def _copy(self, info: TensorInfo, sink: Sink, *, check_nan: bool) -> Iterator[int]:
+        """Unchanged bytes: written straight from the source mapping, checked (``check_nan``)
+        and hashed in the sink's one pass over each piece.
+
+        Not copy_file_range (what cp does): with the writer's early writeback (ShardWriter), the
+        kernel copy ran ~1 s slower over 4.33 GB than writes from the mapping (BENCHMARKS.md).
+        """
+        reader = self.reader(info)
+        source = self._source_hasher(info)
+        for begin, n in chunk_ranges(info, granule=1, chunk_bytes=CHUNK_BYTES):
+            sink.write(reader.bytes(begin, n), lambda _, b=begin, k=n: reader.drop(b, k),
+                       scan=nan_scan(info, begin) if check_nan else None, source=source)
+            yield n
+
+    def _stream_mxfp8(self, t: TensorPlan, m: ModulePlan, sink: Sink) -> Iterator[int]:
+        """Canonical MXFP8 source: the weight streams chunk by chunk, never whole in memory."""
+        info = self.tensors[t.source]
+        if t.role == "weight_scale":
+            yield from self._mxfp8_scale(t, info, sink)
+            return
+        granule = weight_granule(t)
+        if granule == 1:
+            yield from self._copy(info, sink, check_nan=True)
+            return
+        reader = self.reader(info)
+        source = self._source_hasher(info)
+        row_bytes = t.shape[1]
+        for begin, n in chunk_ranges(info, granule=granule, chunk_bytes=CHUNK_BYTES):
+            if t.layout == _P32_ROWS and row_bytes >= ROW_COPY_MIN_BYTES:
+                order = p32_row_order(n // row_bytes)  # output row p <- source row order[p]
+                sink.copy_rows(row_bytes, order, reader.bytes(begin, n),
+                               lambda _, b=begin, k=n: reader.drop(b, k),
+                               group=P32_BLOCK, scan=nan_scan(info, begin), source=source)
+            else:  # narrow rows: checked, hashed and shuffled in memory, with numpy (no torch)
+                nan_scan(info, begin)(reader.bytes(begin, n), 0)
+                if source is not None:
+                    source.update(reader.bytes(begin, n))
+                rows = np.frombuffer(reader.bytes(begin, n), dtype=np.uint8).reshape(-1, row_bytes)
+                laid = p32_shuffle_rows_array(rows, self.pool.get(n))
+                del rows
+                reader.drop(begin, n)
+                sink.write(laid, self.pool.release)
+            yield n
+
+    def _mxfp8_scale(self, t: TensorPlan, info: TensorInfo, sink: Sink) -> Iterator[int]:
+        """A canonical MXFP8 scale, checked and laid out whole with numpy (no torch)."""
+        self._hash_whole(info)
+        raw = self.reader(info).bytes(info.begin, info.nbytes)
+        s = np.frombuffer(raw, dtype=np.uint8).reshape(info.shape)
+        check_scale_codes(s, info.name)
+        laid = layout_scale(t, self.backend, s)
+        if laid is s:  # kept canonical: same bytes
+            yield from self._copy(info, sink, check_nan=False)
+            return
+        sink.write(laid.reshape(-1))
+        yield info.nbytes
+
+    # --- bytes computed one module at a time -----------------------------------------------
+
+    def _canonical(self, m: ModulePlan) -> tuple[torch.Tensor, torch.Tensor]:
+        """Module ``m``'s canonical (q, s), computed once and kept until both are written."""
+        if m.name not in self.pending:
+            for info in (m.weight, m.scale):
+                if info is not None:
+                    self._hash_whole(info)
+            scale = self.source(m.scale) if m.scale is not None else None
+            src = BACKENDS[m.source_backend] if m.source_backend else None
+            q, s, err = canonical_module(m, self.source(m.weight), scale, src)
+            if err is not None:
+                self.errors[m.name] = {"action": m.action, **err.to_dict()}
+            self.pending[m.name] = (q, s)
+        return self.pending[m.name]
+
+    def _from_canonical(self, t: TensorPlan, m: ModulePlan, sink: Sink) -> Iterator[int]:
+        """Sources whose canonical bytes must be computed first (laid out, FP8, dense): one
+        module at a time in memory, released once both of its tensors are written."""
+        q, s = self._canonical(m)
+        if t.role == "weight_scale":
+            sink.write(layout_scale(t, self.backend, s).reshape(-1))
+            self.pending.pop(m.name)
+            self._drop(m)
+            yield t.nbytes
+            return
+        flat = q.reshape(-1)
+        granule = weight_granule(t)
+        step = max(granule, CHUNK_BYTES // granule * granule)
+        for begin in range(0, flat.numel(), step):
+            chunk = flat[begin:begin + step]
+            if granule == 1:  # bytes unchanged: write the canonical tensor as it is
+                sink.write(chunk)
+            else:
+                buf = self.pool.get(chunk.numel())
+                laid = layout_weight_chunk(t, self.backend, chunk, torch.from_numpy(buf))
+                sink.write(laid, lambda _, b=buf: self.pool.release(b))
+            yield chunk.numel()
+
+    def _dequantized(self, t: TensorPlan, m: ModulePlan, sink: Sink) -> Iterator[int]:
+        """An ignored (or unfit) module of a quantized source, in the model's dtype."""
+        scale = self.source(m.scale) if m.scale is not None else None
+        src = BACKENDS[m.source_backend] if m.source_backend else None
+        out = dequantized_module(m, self.source(m.weight), scale, src, torch_dtype(t.dtype))
+        sink.write(out.reshape(-1).view(torch.uint8))
+        self._drop(m)
+        yield t.nbytes
+
+    def _fused(self, t: TensorPlan, layer: MoELayerPlan, sink: Sink) -> Iterator[int]:
+        """A fused MoE tensor, produced expert by expert (it is contiguous per expert).
+
+        Only one expert's canonical weights are in memory at a time. Canonical scales are
+        taken again for the scale tensors that follow the weights; sources whose canonical
+        bytes are computed (FP8, dense, laid out) keep them from the weight pass instead, which
+        is at most one layer's scales (1/32 of its weights).
+        """
+        projs, _ = MOE_FUSE[t.role]
+        take = self._expert_weight if t.role.endswith("_weight") else self._expert_scale
+        for e in range(layer.experts):
+            modules = [layer.module(p, e) for p in projs]
+            out = fuse_expert(t.role, [take(m) for m in modules])
+            for m in modules:  # read: the fused bytes are a new tensor
+                self._drop(m)
+            sink.write(out)
+            yield out.numel()
+            del out  # the sink holds it until written
+
+    def _expert_weight(self, m: ModulePlan) -> torch.Tensor:
+        q, s = self._canonical(m)
+        if computed(m):
+            self.pending[m.name] = (None, s)  # its scale, for the scale tensor
+        else:
+            self.pending.pop(m.name)
+            w = m.weight
+            nan_scan(w, w.begin)(self.reader(w).bytes(w.begin, w.nbytes), 0)
+        return q.reshape(m.n, m.k)
+
+    def _expert_scale(self, m: ModulePlan) -> torch.Tensor:
+        _, s = self._canonical(m)
+        self.pending.pop(m.name)
+        return s
+
+
+def nan_scan(info: TensorInfo, begin: int) -> Scan:
+    """A ``Sink`` scan of e4m3 bytes of ``info`` that start at absolute offset ``begin``:
+    e4m3 NaN is 0x7F or 0xFF; refuse it, naming the tensor and the [row, col]."""
+    def scan(piece, at: int) -> None:
+        hit = find_bytes(piece, E4M3_NAN_BYTES)
+        if hit >= 0:
+            row, col = divmod(begin + at + hit - info.begin, info.shape[-1])
+            raise LayoutError(f"{info.file}: weight {info.name!r} holds NaN "
+                              f"(e4m3 byte 0x7F/0xFF) at [{row}, {col}]")
+    return scan
+
+
+def source_key(info: TensorInfo) -> str:
+    """The name a source tensor's hash is recorded under: its file, span and name."""
+    return f"{info.file}\0{info.begin}\0{info.nbytes}\0{info.name}"
+
+
+def computed(m: ModulePlan) -> bool:
+    """Whether a module's canonical bytes are computed (not views of the source's own bytes)."""
+    return m.action not in ("relayout", "keep") or m.source_backend is not None
+
+
+# --- per-module math --------------------------------------------------------------------------
 
 
 def weight_granule(t: TensorPlan) -> int:
@@ -55,11 +333,11 @@ def layout_weight_chunk(t: TensorPlan, backend: BackendSpec, chunk: torch.Tensor
     k = t.shape[1]
     if out is None or t.layout != _P32_ROWS:
         return backend.weight_forward(chunk.view(-1, k)).reshape(-1)
-    out.view(-1, 4, 8, k).copy_(chunk.view(-1, 8, 4, k).transpose(1, 2))  # = p32_shuffle_rows
-    return out
+    return p32_shuffle_rows(chunk.view(-1, k), out=out).reshape(-1)
 
 
-def layout_scale(t: TensorPlan, backend: BackendSpec, s: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
+def layout_scale(t: TensorPlan, backend: BackendSpec,
+                 s: torch.Tensor | np.ndarray) -> torch.Tensor | np.ndarray:
     """Canonical uint8 ``[N, C]`` scale -> the bytes of ``t`` (tiles, or unchanged if canonical).
 
     A numpy uint8 array is laid out with numpy (no torch), into a numpy array of the same bytes.
@@ -70,17 +348,21 @@ def layout_scale(t: TensorPlan, backend: BackendSpec, s: torch.Tensor | np.ndarr
         s = s if s.dtype == torch.uint8 else s.view(torch.uint8)
         forward = backend.scale_forward
     if tuple(s.shape) != tuple(t.logical_shape):
-        raise LayoutError(f"scale {t.source!r}: shape {list(s.shape)} != planned {list(t.logical_shape)}")
+        raise LayoutError(f"scale {t.source!r}: shape {list(s.shape)} "
+                          f"!= planned {list(t.logical_shape)}")
     if t.layout == "canonical":
         return s
     out = forward(s)
     if tuple(out.shape) != tuple(t.shape):
-        raise LayoutError(f"scale {t.name!r}: laid out to {list(out.shape)}, planned {list(t.shape)} (bug)")
+        raise LayoutError(f"scale {t.name!r}: laid out to {list(out.shape)}, "
+                          f"planned {list(t.shape)} (bug)")
     return out
 
 
-def canonical_module(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor | None,
-                     src_backend: BackendSpec | None) -> tuple[torch.Tensor, torch.Tensor, QuantError | None]:
+def canonical_module(
+    m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor | None,
+    src_backend: BackendSpec | None,
+) -> tuple[torch.Tensor, torch.Tensor, QuantError | None]:
     """A module's canonical MXFP8: (uint8 ``[N, K]``, uint8 ``[N, K/32]``, error or None).
 
     Args:
@@ -175,19 +457,22 @@ def fuse_expert(role: str, parts: list[torch.Tensor]) -> torch.Tensor:
         parts: the canonical tensors, in the order ``MOE_FUSE[role]`` names them.
 
     Returns:
-        uint8 ``[2I*H]``, ``[H*I]`` or the flat 128x4 tiles: expert ``e``'s slice of the stacked tensor.
+        uint8 ``[2I*H]``, ``[H*I]`` or the flat 128x4 tiles: expert ``e``'s slice of the
+        stacked tensor.
     """
     _, lay_out = MOE_FUSE[role]
     return lay_out(*(p.view(torch.uint8) for p in parts)).view(torch.uint8).reshape(-1)
 
 
-def expert_from_fused(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+def expert_from_fused(m: ModulePlan, weight: torch.Tensor,
+                      scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     """One expert projection's canonical MXFP8, cut out of its expert's fused MoE bytes.
 
     Args:
         m: a module with ``m.fused`` set (which projection of which expert, H and I).
         weight: that expert's fused weight, ``[2I, H]`` (gate, up) or ``[H, I]`` (down), 1-byte.
-        scale: that expert's fused scale tiles (uint8 ``[2I/128, H/128, 512]`` or ``[H/128, I/128, 512]``).
+        scale: that expert's fused scale tiles (uint8 ``[2I/128, H/128, 512]`` or
+            ``[H/128, I/128, 512]``).
 
     Returns:
         ``(uint8 [N, K], uint8 [N, K/32])``, contiguous.

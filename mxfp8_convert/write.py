@@ -109,7 +109,8 @@ class ShardWriter:
         header: dict = {"__metadata__": metadata} if metadata else {}
         pos = 0
         for name, dtype, shape, nbytes in entries:
-            header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+            header[name] = {"dtype": dtype, "shape": list(shape),
+                            "data_offsets": [pos, pos + nbytes]}
             pos += nbytes
         raw = json.dumps(header, separators=(",", ":")).encode()
         raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
@@ -199,7 +200,8 @@ class ShardWriter:
             if source is not None:
                 source.update(block)
             for i in range(b0, min(b0 + group, len(order)), per_call):
-                rows = [mv[r * row_bytes:(r + 1) * row_bytes] for r in order[i:min(i + per_call, b0 + group)]]
+                rows = [mv[r * row_bytes:(r + 1) * row_bytes]
+                        for r in order[i:min(i + per_call, b0 + group)]]
                 for piece in rows:
                     self._hash.update(piece)
                 got = os.writev(fd, rows)
@@ -221,7 +223,8 @@ class ShardWriter:
         """
         mv = _as_memoryview(view)
         self._flush_small()
-        self._enqueue(self._writer.submit(self._rows_pass, mv, row_bytes, order, group, scan, source),
+        self._enqueue(self._writer.submit(self._rows_pass, mv, row_bytes, order, group, scan,
+                                          source),
                       mv, view, release)
 
     def write(self, data, release=None, *, scan: Scan | None = None, source=None) -> None:
@@ -247,7 +250,8 @@ class ShardWriter:
     def _flush_small(self) -> None:
         if self._small:
             buf, self._small = self._small, bytearray()
-            self._pending.append((self._writer.submit(self._one_pass, memoryview(buf), None, None), buf, None))
+            job = self._writer.submit(self._one_pass, memoryview(buf), None, None)
+            self._pending.append((job, buf, None))
             self._drain(self._depth)
 
     def _count(self, n: int) -> None:
@@ -273,7 +277,8 @@ class ShardWriter:
             self._flusher.shutdown()
             self._f.close()
         if self._written != self._expected:
-            raise OutputError(f"{self.path}: wrote {self._written} bytes, header declares {self._expected} (bug)")
+            raise OutputError(f"{self.path}: wrote {self._written} bytes, "
+                              f"header declares {self._expected} (bug)")
         return self._written, self._hash.hexdigest()
 
     def abort(self) -> None:
@@ -751,8 +756,9 @@ class Staging:
     and only touches the files it ``owns``; ``finalizing()`` gathers the parts.
     """
 
-    def __init__(self, dest: Path, params: dict, *, fresh: bool = False, part: tuple[int, int] | None = None,
-                 owned: set[str] | None = None, source: str | None = None, overwrite: bool = False,
+    def __init__(self, dest: Path, params: dict, *, fresh: bool = False,
+                 part: tuple[int, int] | None = None, owned: set[str] | None = None,
+                 source: str | None = None, overwrite: bool = False,
                  writes: set[str] | None = None, dir_mode: int = DIR_MODE) -> None:
         self.dest, self.params, self.part, self.source = dest, params, part, source
         self.committed = False
@@ -814,7 +820,8 @@ class Staging:
             OutputError: no parts, a part missing or still running, or parts with other parameters.
         """
         self = cls.__new__(cls)
-        self.dest, self.path, self.part, self._manifest = dest, partial_dir(dest), None, MANIFEST_NAME
+        self.dest, self.path, self.part = dest, partial_dir(dest), None
+        self._manifest = MANIFEST_NAME
         self.dir_mode, self.committed = DIR_MODE, False
         self._locks = lock_destination(dest, what="finalizing")
         try:
@@ -855,7 +862,8 @@ class Staging:
             diff = sorted(k for k in set(self.params) | set(manifest.get("params") or {})
                           if self.params.get(k) != (manifest.get("params") or {}).get(k))
             raise OutputError(
-                f"{self.path}: an interrupted conversion with other parameters ({', '.join(diff)}) is here",
+                f"{self.path}: an interrupted conversion with other parameters "
+                f"({', '.join(diff)}) is here",
                 hint="rerun it with the same options to resume it, or pass --fresh to start over")
         kept = {rel: rec for rel, rec in ((manifest or {}).get("files") or {}).items()
                 if isinstance(rec, dict) and _safe_rel(rel) and _intact(self.path / rel, rec)}

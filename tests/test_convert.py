@@ -30,7 +30,8 @@ def sources(tmp_path_factory):
     for dialect in MXFP8_DIALECTS:
         for sdt in (torch.uint8, torch.float8_e8m0fnu):
             spec = replace(SPEC, dialect=dialect, scale_dtype=sdt, seed=len(out))
-            out[(dialect, str(sdt))] = (write_checkpoint(root / f"{dialect}-{len(out)}", spec), spec)
+            path = write_checkpoint(root / f"{dialect}-{len(out)}", spec)
+            out[(dialect, str(sdt))] = (path, spec)
     return out
 
 
@@ -60,13 +61,16 @@ def test_roundtrip_bytes_metadata_and_passthrough(sources, tmp_path, backend, di
     linear = {f"{m}.weight" for m, _, _ in modules} | {f"{m}.{suffix}" for m, _, _ in modules}
     for name, t in want.items():
         if name not in linear:  # norms, embeddings, ignored lm_head: byte-identical
-            assert got[name].dtype == t.dtype and torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
+            assert got[name].dtype == t.dtype, name
+            assert torch.equal(got[name].view(torch.uint8), t.view(torch.uint8)), name
 
     for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "LICENSE"):
         assert (out / f).read_bytes() == (src / f).read_bytes(), f
     card = (out / "README.md").read_text()  # our model card, the source's card kept below it
-    assert card.startswith("---\n") and "base_model_relation" not in card  # no Hub repo: no base_model
-    assert f"- {backend}" in card and (src / "README.md").read_text().strip().splitlines()[-1] in card
+    assert card.startswith("---\n")
+    assert "base_model_relation" not in card  # no Hub repo: no base_model
+    assert f"- {backend}" in card
+    assert (src / "README.md").read_text().strip().splitlines()[-1] in card
     assert not (out / "hf_quant_config.json").exists()
 
     m = marker(out)
@@ -91,7 +95,8 @@ def test_roundtrip_bytes_metadata_and_passthrough(sources, tmp_path, backend, di
     index = json.loads((out / "model.safetensors.index.json").read_text())
     assert set(index["weight_map"]) == set(got)
     assert list(index["weight_map"]) == sorted(index["weight_map"])
-    assert index["metadata"]["total_size"] == sum(t.numel() * t.element_size() for t in got.values())
+    total = sum(t.numel() * t.element_size() for t in got.values())
+    assert index["metadata"]["total_size"] == total
     for name, shard in index["weight_map"].items():
         assert name in load_all_shard(out / shard)
 
@@ -116,7 +121,8 @@ def test_weight_and_scale_in_different_shards_end_up_together(sources, tmp_path)
     mod = "model.layers.0.self_attn.o_proj"
     assert idx[f"{mod}.weight"] != idx[f"{mod}.weight_scale_inv"], "fixture must split the pair"
     convert(src, "trtllm", tmp_path / "out")
-    out_idx = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
+    out_idx = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())
+    out_idx = out_idx["weight_map"]
     assert out_idx[f"{mod}.weight"] == out_idx[f"{mod}.{SWIZZLED_SUFFIX}"] == idx[f"{mod}.weight"]
 
 
@@ -157,8 +163,8 @@ def test_wide_rows_are_shuffled_by_vectored_writes(tmp_path, monkeypatch, short)
     with plain writes, giving the same bytes and hash."""
     import os
 
-    from mxfp8_convert.convert import ROW_COPY_MIN_BYTES
     from mxfp8_convert.layouts import p32_shuffle_rows
+    from mxfp8_convert.transform import ROW_COPY_MIN_BYTES
 
     real_writev, calls = os.writev, []
 
@@ -166,7 +172,9 @@ def test_wide_rows_are_shuffled_by_vectored_writes(tmp_path, monkeypatch, short)
         calls.append(len(buffers))
         if short:  # the first buffer and a half, at most
             first = memoryview(buffers[0])
-            return real_writev(fd, [first, memoryview(buffers[1])[:len(buffers[1]) // 2]] if len(buffers) > 1 else [first[:-1]])
+            if len(buffers) > 1:
+                return real_writev(fd, [first, memoryview(buffers[1])[:len(buffers[1]) // 2]])
+            return real_writev(fd, [first[:-1]])
         return real_writev(fd, buffers)
 
     monkeypatch.setattr(os, "writev", writev)
@@ -177,9 +185,11 @@ def test_wide_rows_are_shuffled_by_vectored_writes(tmp_path, monkeypatch, short)
     convert(src, "trtllm", tmp_path / "out")
     got, _ = load_all(tmp_path / "out")
     want, _ = load_all(src)
-    assert torch.equal(got[f"{module}.weight"].view(torch.uint8), p32_shuffle_rows(want[f"{module}.weight"].view(torch.uint8)))
+    w = f"{module}.weight"
+    assert torch.equal(got[w].view(torch.uint8), p32_shuffle_rows(want[w].view(torch.uint8)))
     done = json.loads((tmp_path / "out" / COMPLETE_MARKER).read_text())
-    shard = next(f for f in done["files"] if f.endswith(".safetensors") and f"{module}.weight" in load_all_shard(tmp_path / "out" / f))
+    shard = next(f for f in done["files"]
+                 if f.endswith(".safetensors") and w in load_all_shard(tmp_path / "out" / f))
     assert done["files"][shard]["xxh3_128"] == xxh(tmp_path / "out" / shard)
     assert calls and max(calls) > 1  # rows went out several per call
 
@@ -193,8 +203,10 @@ def _wide_mxfp8(root, k=8192):
     g = torch.Generator().manual_seed(0)
     save_file({
         "model.layers.0.mlp.down_proj.weight":
-            torch.randint(0, 126, (128, k), dtype=torch.uint8, generator=g).view(torch.float8_e4m3fn),
-        "model.layers.0.mlp.down_proj.weight_scale_inv": torch.randint(110, 130, (128, k // 32), dtype=torch.uint8, generator=g),
+            torch.randint(0, 126, (128, k), dtype=torch.uint8, generator=g)
+            .view(torch.float8_e4m3fn),
+        "model.layers.0.mlp.down_proj.weight_scale_inv":
+            torch.randint(110, 130, (128, k // 32), dtype=torch.uint8, generator=g),
         "model.norm.weight": torch.ones(64, dtype=torch.bfloat16),
     }, str(root / "model.safetensors"), metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
@@ -251,7 +263,8 @@ def test_unchanged_bytes_are_written_from_the_source_mapping(tmp_path, monkeypat
 
 
 @pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
-def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path, monkeypatch, backend):
+def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path, monkeypatch,
+                                                                       backend):
     """Every WRITEBACK_BYTES written, the shard's pages are handed to writeback and the clean
     ones dropped (POSIX_FADV_DONTNEED) before the shard is closed: each advice covers the bytes
     written since the one before it and, again, those of the one before that (written back by
@@ -266,10 +279,12 @@ def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path
     real, calls = os.posix_fadvise, []
 
     def spy(fd, offset, length, advice):
-        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice, os.fstat(fd).st_size))
+        calls.append((os.readlink(f"/proc/self/fd/{fd}"), offset, length, advice,
+                      os.fstat(fd).st_size))
         return real(fd, offset, length, advice)
 
-    class Inline:  # the advice thread's jobs run as they are queued: when they run does not race the writes
+    # the advice thread's jobs run as they are queued: when they run does not race the writes
+    class Inline:
         def submit(self, fn, *args):
             fn(*args)
 
@@ -278,7 +293,8 @@ def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path
 
     pool = write.ThreadPoolExecutor
     monkeypatch.setattr(write, "ThreadPoolExecutor",
-                        lambda **kw: Inline() if kw.get("thread_name_prefix") == "mxfp8-flush" else pool(**kw))
+                        lambda **kw: Inline() if kw.get("thread_name_prefix") == "mxfp8-flush"
+                        else pool(**kw))
     monkeypatch.setattr(os, "posix_fadvise", spy)
     monkeypatch.setattr(write, "WRITEBACK_BYTES", 1)  # after every write
     convert(src, backend, tmp_path / "advised")
@@ -288,7 +304,8 @@ def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path
     assert len(mine) >= 3 and all(c[3] == os.POSIX_FADV_DONTNEED for c in mine)
     assert mine[0][1] == mine[1][1] == 0
     assert all(c[1] + c[2] == c[4] for c in mine)  # up to all the file holds when advised
-    assert all(c[1] == before[1] + before[2] for before, c in zip(mine, mine[2:], strict=False))  # two windows each
+    # two windows each
+    assert all(c[1] == before[1] + before[2] for before, c in zip(mine, mine[2:], strict=False))
     assert min(c[4] for c in mine) < size  # while the shard was still being written
     a = json.loads((tmp_path / "plain" / COMPLETE_MARKER).read_text())["files"]
     b = json.loads((tmp_path / "advised" / COMPLETE_MARKER).read_text())["files"]

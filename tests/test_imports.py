@@ -1,11 +1,15 @@
 """The package's import graph, read from the source (ast): no cycle among ``mxfp8_convert``'s
-modules, counting imports made inside functions too, and ``layouts/`` importing nothing of the
-package but the error and lazy-import modules (and other ``layouts`` modules)."""
+modules, counting imports made inside functions too; ``layouts/`` importing nothing of the
+package but the error and lazy-import modules (and other ``layouts`` modules), and no other
+library than numpy (torch only through the lazy proxy); the pipeline's layers in order
+(transform below the orchestration, parts and ``run`` below ``convert``)."""
 
 from __future__ import annotations
 
 import ast
 from pathlib import Path
+
+import pytest
 
 import mxfp8_convert
 
@@ -90,12 +94,76 @@ def test_cycle_finder_finds_one():
         GRAPH["mxfp8_convert.errors"].discard("mxfp8_convert.layouts.swizzle")
 
 
+def _layouts() -> list[str]:
+    return [n for n in MODULES if n == f"{PKG}.layouts" or n.startswith(f"{PKG}.layouts.")]
+
+
+def _libraries(name: str) -> set[str]:
+    """Top-level names of everything outside the package that module ``name`` imports."""
+    found = set()
+    for node in ast.walk(ast.parse(MODULES[name].read_text())):
+        if isinstance(node, ast.Import):
+            found |= {a.name.split(".")[0] for a in node.names}
+        elif isinstance(node, ast.ImportFrom) and not node.level:
+            found.add((node.module or "").split(".")[0])
+    return found - {PKG, "__future__"}
+
+
 def test_layouts_import_only_errors_and_lazy():
-    allowed = {f"{PKG}.errors", f"{PKG}._lazy", f"{PKG}"}
-    for name, deps in GRAPH.items():
-        if name == f"{PKG}.layouts" or name.startswith(f"{PKG}.layouts."):
-            bad = {d for d in deps if d not in allowed and not d.startswith(f"{PKG}.layouts")}
-            assert not bad, f"{name} imports {sorted(bad)}"
+    allowed = {f"{PKG}.errors", f"{PKG}._lazy"}
+    assert len(_layouts()) >= 5  # the package and its modules are seen
+    for name in _layouts():
+        bad = {d for d in GRAPH[name] if d not in allowed and not d.startswith(f"{PKG}.layouts")}
+        assert not bad, f"{name} imports {sorted(bad)}"
+
+
+def test_layouts_import_no_library_but_numpy():
+    """Layout math is pure: numpy, and torch only through ``_lazy`` (so that moving MXFP8
+    bytes never imports it)."""
+    for name in _layouts():
+        assert _libraries(name) <= {"numpy"}, f"{name} imports {sorted(_libraries(name))}"
+
+
+def test_the_layers_are_connected():
+    """The orchestration does reach each layer (else the order test above proves nothing)."""
+    for low in ("transform", "run", "parts", "write", "layouts"):
+        assert _reaches(f"{PKG}.convert", f"{PKG}.{low}"), low
+
+
+def test_library_reader_sees_imports():
+    assert _libraries(f"{PKG}.layouts.rows") == {"numpy"}
+    assert "xxhash" in _libraries(f"{PKG}.transform")
+
+
+def _reaches(start: str, target: str) -> bool:
+    seen, todo = set(), [start]
+    while todo:
+        n = todo.pop()
+        if n == target:
+            return True
+        if n not in seen:
+            seen.add(n)
+            todo.extend(GRAPH[n])
+    return False
+
+
+@pytest.mark.parametrize("low, high", [
+    ("transform", "write"),  # transform produces bytes from source views; write puts them on disk
+    ("transform", "convert"),
+    ("transform", "parts"),
+    ("transform", "run"),
+    ("run", "convert"),  # convert orchestrates; run and parts are what it (and finalize) use
+    ("parts", "convert"),
+    ("layouts", "transform"),
+])
+def test_pipeline_layers_in_order(low, high):
+    """``low`` never imports ``high``, directly or through another module."""
+    assert f"{PKG}.{low}" in MODULES and f"{PKG}.{high}" in MODULES
+    assert not _reaches(f"{PKG}.{low}", f"{PKG}.{high}"), f"{low} reaches {high}"
+
+
+def test_transform_imports_neither_rich_nor_flashinfer():
+    assert not _libraries(f"{PKG}.transform") & {"rich", "flashinfer", "typer"}
 
 
 def test_hopper_rules_import_neither_torch_nor_triton():

@@ -41,7 +41,8 @@ def test_interrupted_run_resumes_keeping_finished_shards(tmp_path):
     before = os.stat(partial(out) / finished[0])
     r = convert(src, "trtllm", out)
     after = os.stat(out / finished[0])
-    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns), "finished shard was redone"
+    assert (before.st_ino, before.st_mtime_ns) == (after.st_ino, after.st_mtime_ns), \
+        "finished shard was redone"
     assert verify(out, src).ok and not partial(out).exists()
     assert r.bytes_written > 0 and "mxfp8_convert.partial.json" not in os.listdir(out)
 
@@ -64,11 +65,14 @@ def test_other_parameters_refuse_to_resume_and_fresh_starts_over(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(Stop):
         convert(src, "trtllm", out, progress=interrupt_after(1))
-    with pytest.raises(OutputError, match=r"an interrupted conversion with other parameters \(backend\) is here"):
+    other = r"an interrupted conversion with other parameters \(backend\) is here"
+    with pytest.raises(OutputError, match=other):
         convert(src, "cutlass", out)
     assert partial(out).exists() and not out.exists()
     convert(src, "cutlass", out, fresh=True)
-    assert verify(out, src).ok and json.loads((out / "config.json").read_text())["quantization_config"]["backend"] == "cutlass"
+    assert verify(out, src).ok
+    config = json.loads((out / "config.json").read_text())
+    assert config["quantization_config"]["backend"] == "cutlass"
 
 
 def test_bad_input_leaves_no_partial_folder(tmp_path):
@@ -92,7 +96,8 @@ def test_second_concurrent_run_is_refused(tmp_path):
 
 
 def _cli(src, out, *extra):
-    return [sys.executable, "-m", "mxfp8_convert", str(src), "--backend", "trtllm", "-o", str(out), "--quiet", *extra]
+    return [sys.executable, "-m", "mxfp8_convert", str(src), "--backend", "trtllm", "-o", str(out),
+            "--quiet", *extra]
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
@@ -137,7 +142,8 @@ def test_sigkill_at_random_moments(tmp_path):
     outcomes = {"before writing": 0, "while writing": 0, "after completion": 0}
     for trial in range(20):
         out = tmp_path / f"out{trial}"
-        proc = subprocess.Popen(_cli(src, out), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        proc = subprocess.Popen(_cli(src, out), stdout=subprocess.DEVNULL,
+                                stderr=subprocess.DEVNULL)
         if trial % 4 == 0:  # a moment anywhere in the run: start-up, writing, or done
             time.sleep(rng.uniform(0.1, 6.0))
         else:  # a moment while writing: once k shards are finished, plus a random fraction of one
@@ -147,7 +153,8 @@ def test_sigkill_at_random_moments(tmp_path):
         proc.wait()
         if out.exists():
             outcomes["after completion"] += 1
-            assert verify(out, src, check_hashes=True).ok, f"trial {trial}: a visible output must be complete"
+            assert verify(out, src, check_hashes=True).ok, \
+                f"trial {trial}: a visible output must be complete"
         else:
             outcomes["while writing" if partial(out).exists() else "before writing"] += 1
         rerun = subprocess.run(_cli(src, out), capture_output=True, text=True)
@@ -159,4 +166,5 @@ def test_sigkill_at_random_moments(tmp_path):
         assert not partial(out).exists()
         assert tree_hashes(src) == before, "the source must never change"
     print(f"SIGKILL trials: {outcomes}")
-    assert outcomes["while writing"] >= 10, f"too few kills landed mid-write to mean much: {outcomes}"
+    assert outcomes["while writing"] >= 10, \
+        f"too few kills landed mid-write to mean much: {outcomes}"

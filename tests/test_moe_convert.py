@@ -35,7 +35,7 @@ from mxfp8_convert.verify import verify
 from tests.checkpoints import flip_byte, load_all, marker, spec_swizzle_128x4
 
 fi_core = pytest.importorskip("flashinfer.fused_moe.core")
-convert_mod = importlib.import_module("mxfp8_convert.convert")  # the package exports a function by that name
+transform_mod = importlib.import_module("mxfp8_convert.transform")  # where modules are computed
 
 # H=256, I=128: FC2's K (=I) is not a multiple of 256, which trtllm's mm_mxfp8 would refuse for
 # a dense linear, but the fused MoE kernel takes. The shared expert and attention stay dense.
@@ -321,7 +321,7 @@ def test_at_most_one_expert_in_memory(sources, tmp_path, monkeypatch, name):
     expert are new tensors, so nothing else can keep a canonical weight alive."""
     alive: dict[int, tuple[str, int]] = {}
     seen: list[set] = []
-    real = convert_mod.canonical_module
+    real = transform_mod.canonical_module
 
     def watched(m, *args):
         q, s, err = real(m, *args)
@@ -332,7 +332,7 @@ def test_at_most_one_expert_in_memory(sources, tmp_path, monkeypatch, name):
             seen.append(set(alive.values()))
         return q, s, err
 
-    monkeypatch.setattr(convert_mod, "canonical_module", watched)
+    monkeypatch.setattr(transform_mod, "canonical_module", watched)
     src, spec = sources[name]
     convert(src, "trtllm", tmp_path / "out")
     assert len(seen) >= 3 * spec.experts * spec.layers

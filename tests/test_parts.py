@@ -26,7 +26,8 @@ def src(tmp_path):
 def _same_tensors(a, b):
     ta, _ = load_all(a)
     tb, _ = load_all(b)
-    return ta.keys() == tb.keys() and all(torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8)) for k in ta)
+    return ta.keys() == tb.keys() and all(
+        torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8)) for k in ta)
 
 
 def test_parts_then_finalize_equals_one_run(src, tmp_path):
@@ -78,14 +79,16 @@ def test_bad_part_numbers(src, tmp_path, capsys):
     with pytest.raises(ConvertError, match="--part 2 is not in 0..1"):
         convert(src, "trtllm", tmp_path / "o", part=(2, 2))
     assert main([str(src), "-b", "trtllm", "-o", str(tmp_path / "o"), "--part", "0"]) == 2
-    assert main([str(src), "-b", "trtllm", "-o", str(tmp_path / "o"), "--num-parts", "2", "--part", "5"]) == 2
+    o = str(tmp_path / "o")
+    assert main([str(src), "-b", "trtllm", "-o", o, "--num-parts", "2", "--part", "5"]) == 2
     assert "--part 5 is not in 0..1" in capsys.readouterr().err
 
 
 def test_cli_parts_and_finalize(src, tmp_path, capsys):
     out = tmp_path / "out"
     for i in range(2):
-        assert main([str(src), "-b", "trtllm", "-o", str(out), "--num-parts", "2", "--part", str(i), "--json"]) == 0
+        args = ["-b", "trtllm", "-o", str(out), "--num-parts", "2", "--part", str(i), "--json"]
+        assert main([str(src), *args]) == 0
         assert json.loads(capsys.readouterr().out)["part"] == [i, 2]
     assert main(["finalize", str(out), "--json"]) == 0
     assert json.loads(capsys.readouterr().out)["output"] == str(out)
@@ -119,4 +122,5 @@ def test_cli_max_memory(src, tmp_path, capsys):
     assert "'lots' is not a size like 8GiB" in capsys.readouterr().err
     assert main([str(src), "-b", "trtllm", "-o", str(tmp_path / "o"), "--max-memory", "1MiB"]) == 1
     assert "--max-memory 1048576 bytes is below what one worker needs" in capsys.readouterr().err
-    assert main([str(src), "-b", "trtllm", "-o", str(tmp_path / "o"), "--workers", "2", "--max-memory", "2GiB"]) == 0
+    args = ["-b", "trtllm", "-o", str(tmp_path / "o"), "--workers", "2", "--max-memory", "2GiB"]
+    assert main([str(src), *args]) == 0

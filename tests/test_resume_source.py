@@ -18,7 +18,7 @@ from pathlib import Path
 import pytest
 
 from mxfp8_convert import convert
-from mxfp8_convert.convert import _Executor
+from mxfp8_convert.run import SourceProof
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
 from tests.checkpoints import tree_hashes
 
@@ -118,8 +118,9 @@ def test_hub_snapshot_uses_blob_names_and_a_new_revision_redoes_the_shard(tmp_pa
     assert FIRST in blobs and blobs == {f: os.readlink(old / f).rsplit("/", 1)[1] for f in blobs}
     # same revision: the blob names prove the bytes, nothing is hashed again
     hashed = []
-    real = _Executor._hash_sources
-    monkeypatch.setattr(_Executor, "_hash_sources", lambda self, s: hashed.append(s.name) or real(self, s))
+    real = SourceProof.hash_sources
+    monkeypatch.setattr(SourceProof, "hash_sources",
+                        lambda self, s: hashed.append(s.name) or real(self, s))
     with pytest.raises(Stop):
         convert(old, "trtllm", out, progress=_interrupt_after_first_shard)
     assert hashed == []

@@ -157,11 +157,11 @@ CHILD = textwrap.dedent(r"""
             return real_replace(a, b, *k, **kw)
         os.replace = replace
     elif point == "writing-shard":
-        real_shard = conv._Executor._write_shard
+        real_shard = conv._ShardWriting._write_shard
         def write_shard(self, shard):
             pause()
             return real_shard(self, shard)
-        conv._Executor._write_shard = write_shard
+        conv._ShardWriting._write_shard = write_shard
     elif point == "reading":  # a source shard is open and mapped
         reader = sys.modules["mxfp8_convert.read"].ShardReader
         real_bytes = reader.bytes

@@ -22,12 +22,14 @@ from mxfp8_convert.layouts.swizzle import (
     swizzled_128x4_shape,
     unswizzle_8x4,
     unswizzle_128x4,
+    unswizzle_128x4_array,
 )
 from mxfp8_convert.layouts.trtllm import (
     trtllm_scale_from_canonical,
     trtllm_scale_from_canonical_array,
     trtllm_scale_shape,
     trtllm_scale_to_canonical,
+    trtllm_scale_to_canonical_array,
 )
 
 __all__ = [
@@ -41,6 +43,7 @@ __all__ = [
     "swizzle_128x4",
     "swizzle_128x4_array",
     "unswizzle_128x4",
+    "unswizzle_128x4_array",
     "swizzled_128x4_shape",
     "swizzle_8x4",
     "unswizzle_8x4",
@@ -48,5 +51,6 @@ __all__ = [
     "trtllm_scale_from_canonical",
     "trtllm_scale_from_canonical_array",
     "trtllm_scale_to_canonical",
+    "trtllm_scale_to_canonical_array",
     "trtllm_scale_shape",
 ]

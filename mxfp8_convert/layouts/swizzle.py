@@ -41,7 +41,8 @@ def swizzled_128x4_shape(rows: int, cols: int) -> tuple[int, int, int]:
 
     Returns ``(ceil128(rows)/128, ceil4(cols)/4, 512)``; its product is FlashInfer's flat size.
     """
-    return (ceil_to(rows, TILE_ROWS) // TILE_ROWS, ceil_to(cols, TILE_COLS) // TILE_COLS, TILE_BYTES)
+    return (ceil_to(rows, TILE_ROWS) // TILE_ROWS, ceil_to(cols, TILE_COLS) // TILE_COLS,
+            TILE_BYTES)
 
 
 def swizzle_128x4(s: torch.Tensor) -> torch.Tensor:
@@ -63,7 +64,8 @@ def swizzle_128x4(s: torch.Tensor) -> torch.Tensor:
     words = _words(s).reshape(*batch, rp // 128, 4, 32, cp // 4)
     nb = len(batch)
     perm = [*range(nb), nb, nb + 3, nb + 2, nb + 1]
-    return words.permute(perm).contiguous().view(torch.uint8).reshape(*batch, rp // 128, cp // 4, TILE_BYTES)
+    tiles = words.permute(perm).contiguous().view(torch.uint8)
+    return tiles.reshape(*batch, rp // 128, cp // 4, TILE_BYTES)
 
 
 def swizzle_128x4_array(s: np.ndarray) -> np.ndarray:
@@ -83,8 +85,31 @@ def swizzle_128x4_array(s: np.ndarray) -> np.ndarray:
         padded = np.zeros((rp, cp), dtype=np.uint8)
         padded[:r, :c] = s
         s = padded
-    words = np.ascontiguousarray(s, dtype=np.uint8).view(np.int32).reshape(rp // 128, 4, 32, cp // 4)
+    words = np.ascontiguousarray(s, dtype=np.uint8).view(np.int32)
+    words = words.reshape(rp // 128, 4, 32, cp // 4)
     return words.transpose(0, 3, 2, 1).copy().view(np.uint8).reshape(rp // 128, cp // 4, TILE_BYTES)
+
+
+def unswizzle_128x4_array(t: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Inverse of :func:`swizzle_128x4_array`, without torch.
+
+    Args:
+        t: uint8 ``[ceil128(rows)/128, ceil4(cols)/4, 512]`` tiles, or the same bytes flat.
+        rows, cols: the logical scale shape ``R, C`` to cut the padding back to.
+
+    Returns:
+        uint8 ``[rows, cols]``, contiguous.
+
+    Raises:
+        LayoutError: if ``t`` does not hold that many tiles.
+    """
+    tr, tc, _ = swizzled_128x4_shape(rows, cols)
+    if t.size != tr * tc * TILE_BYTES:
+        raise LayoutError(f"128x4 scale tiles of shape {list(t.shape)} do not hold a "
+                          f"[{rows}, {cols}] scale (expected [{tr}, {tc}, 512] or its flat bytes)")
+    words = np.ascontiguousarray(t, dtype=np.uint8).view(np.int32).reshape(tr, tc, 32, 4)
+    x = words.transpose(0, 3, 2, 1).copy().view(np.uint8).reshape(tr * 128, tc * 4)
+    return np.ascontiguousarray(x[:rows, :cols])
 
 
 def unswizzle_128x4(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -145,7 +170,8 @@ def swizzle_8x4(s: torch.Tensor) -> torch.Tensor:
 
 
 def unswizzle_8x4(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
-    """Inverse of :func:`swizzle_8x4`: tiles (or the same bytes flat) in, ``[..., rows, cols]`` out."""
+    """Inverse of :func:`swizzle_8x4`: tiles (or the same bytes flat) in, ``[..., rows, cols]``
+    out."""
     t = as_bytes(t)
     tr, tc, _ = swizzled_8x4_shape(rows, cols)
     flat = tr * tc * 32

@@ -14,12 +14,18 @@ import numpy as np
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts._common import as_bytes, ceil_to, pad_2d
-from mxfp8_convert.layouts.rows import p32_shuffle_rows, p32_unshuffle_rows
+from mxfp8_convert.layouts.rows import (
+    p32_shuffle_rows,
+    p32_shuffle_rows_array,
+    p32_unshuffle_rows,
+    p32_unshuffle_rows_array,
+)
 from mxfp8_convert.layouts.swizzle import (
     swizzle_128x4,
     swizzle_128x4_array,
     swizzled_128x4_shape,
     unswizzle_128x4,
+    unswizzle_128x4_array,
 )
 
 
@@ -42,7 +48,8 @@ def trtllm_scale_from_canonical(s: torch.Tensor) -> torch.Tensor:
     """
     s = as_bytes(s)
     if s.dim() < 2:
-        raise LayoutError(f"trtllm weight scale needs a [..., N, C] tensor, got shape {list(s.shape)}")
+        raise LayoutError("trtllm weight scale needs a [..., N, C] tensor, "
+                          f"got shape {list(s.shape)}")
     *batch, n, c = s.shape
     if n % 32:
         raise LayoutError(f"trtllm weight scale needs N % 32 == 0 (P32 row shuffle), got N={n}")
@@ -65,11 +72,9 @@ def trtllm_scale_from_canonical_array(s: np.ndarray) -> np.ndarray:
     n, c = s.shape
     if n % 32:
         raise LayoutError(f"trtllm weight scale needs N % 32 == 0 (P32 row shuffle), got N={n}")
-    rows = ceil_to(n, 128)
-    padded = np.zeros((rows, c), dtype=np.uint8)
+    padded = np.zeros((ceil_to(n, 128), c), dtype=np.uint8)
     padded[:n] = s
-    shuffled = padded.reshape(rows // 32, 8, 4, c).transpose(0, 2, 1, 3).reshape(rows, c)  # P32
-    return swizzle_128x4_array(shuffled)
+    return swizzle_128x4_array(p32_shuffle_rows_array(padded))
 
 
 def trtllm_scale_to_canonical(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:
@@ -80,3 +85,17 @@ def trtllm_scale_to_canonical(t: torch.Tensor, rows: int, cols: int) -> torch.Te
     else:
         s = p32_unshuffle_rows(s)
     return s[..., :rows, :].contiguous()
+
+
+def trtllm_scale_to_canonical_array(t: np.ndarray, rows: int, cols: int) -> np.ndarray:
+    """Inverse of :func:`trtllm_scale_from_canonical_array`, without torch.
+
+    Args:
+        t: uint8 ``[ceil128(rows)/128, ceil4(cols)/4, 512]`` tiles, or the same bytes flat.
+        rows, cols: the linear scale shape ``N, C`` (``N % 32 == 0``).
+
+    Returns:
+        uint8 ``[rows, cols]``, contiguous.
+    """
+    s = p32_unshuffle_rows_array(unswizzle_128x4_array(t, ceil_to(rows, 128), cols))
+    return np.ascontiguousarray(s[:rows])

@@ -246,8 +246,10 @@ def test_golden_fc1_weight_rows():
 def test_golden_fc2_weight_rows():
     down = torch.arange(128, dtype=torch.uint8).view(1, 128, 1).expand(1, 128, 128)
     w = moe.moe_fc2_weight_from_canonical(down)
-    assert w[0, :32, 0].tolist() == [0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29,
-                                     2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31]  # fmt: skip
+    assert w[0, :32, 0].tolist() == [
+        0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29,
+        2, 6, 10, 14, 18, 22, 26, 30, 3, 7, 11, 15, 19, 23, 27, 31,
+    ]  # fmt: skip
 
 
 def test_golden_fc1_scale_bytes():

@@ -164,7 +164,8 @@ def test_numpy_twins_equal_the_torch_shuffle(n, k):
 
     from mxfp8_convert.layouts import p32_shuffle_rows_array, p32_unshuffle_rows_array
 
-    x = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n + k))
+    gen = torch.Generator().manual_seed(n + k)
+    x = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=gen)
     want = p32_shuffle_rows(x).numpy()
     ro = x.numpy().copy()
     ro.flags.writeable = False
@@ -177,3 +178,15 @@ def test_numpy_twins_equal_the_torch_shuffle(n, k):
         p32_shuffle_rows_array(np.zeros((n + 8, k), np.uint8))
     with pytest.raises(LayoutError):
         p32_shuffle_rows_array(np.zeros(32, np.uint8))
+
+
+@pytest.mark.parametrize("n,k", [(32, 1), (96, 7), (256, 256)])
+def test_shuffle_into_a_given_buffer(n, k):
+    """p32_shuffle_rows(x, out=buf) fills a flat pooled buffer with the rows in the order the
+    formula gives (spec_source_row), and returns it viewed as [N, K]."""
+    x = torch.randint(0, 256, (n, k), dtype=torch.uint8, generator=torch.Generator().manual_seed(n))
+    buf = torch.full((n * k,), 7, dtype=torch.uint8)
+    got = p32_shuffle_rows(x, out=buf)
+    want = torch.stack([x[spec_source_row(p)] for p in range(n)])
+    assert got.shape == (n, k) and got.data_ptr() == buf.data_ptr()
+    assert torch.equal(got, want) and torch.equal(buf.view(n, k), want)

@@ -420,7 +420,8 @@ def test_128x4_array_equals_torch_swizzle(rows, cols, seed):
 
     from mxfp8_convert.layouts import swizzle_128x4_array
 
-    s = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randint(0, 256, (rows, cols), dtype=torch.uint8, generator=gen)
     got = swizzle_128x4_array(s.numpy())
     assert got.dtype == np.uint8 and got.shape == swizzled_128x4_shape(rows, cols)
     assert got.tobytes() == swizzle_128x4(s).numpy().tobytes()
@@ -435,4 +436,34 @@ def test_128x4_array_of_unaligned_bytes_equals_torch(rows, cols):
 
     raw = np.random.default_rng(rows * cols).integers(0, 256, rows * cols + 1, dtype=np.uint8)
     s = raw[1:].reshape(rows, cols)
-    assert swizzle_128x4_array(s).tobytes() == swizzle_128x4(torch.from_numpy(s.copy())).numpy().tobytes()
+    want = swizzle_128x4(torch.from_numpy(s.copy())).numpy()
+    assert swizzle_128x4_array(s).tobytes() == want.tobytes()
+
+
+@settings(max_examples=60, deadline=None)
+@given(rows=st.integers(1, 300), cols=st.integers(1, 40), seed=st.integers(0, 2**31))
+def test_128x4_array_inverse_is_exact_and_equals_torch(rows, cols, seed):
+    """unswizzle_128x4_array undoes swizzle_128x4_array on random bytes (tiles or flat), and
+    reads random tiles as the torch unswizzle does."""
+    import numpy as np
+
+    from mxfp8_convert.layouts import swizzle_128x4_array, unswizzle_128x4_array
+
+    rng = np.random.default_rng(seed)
+    s = rng.integers(0, 256, (rows, cols), dtype=np.uint8)
+    tiles = swizzle_128x4_array(s)
+    for laid in (tiles, tiles.reshape(-1)):
+        back = unswizzle_128x4_array(laid, rows, cols)
+        assert back.dtype == np.uint8 and back.shape == (rows, cols) and np.array_equal(back, s)
+    noise = rng.integers(0, 256, swizzled_128x4_shape(rows, cols), dtype=np.uint8)
+    want = unswizzle_128x4(torch.from_numpy(noise.copy()), rows, cols).numpy()
+    assert np.array_equal(unswizzle_128x4_array(noise, rows, cols), want)
+
+
+def test_128x4_array_inverse_rejects_tiles_of_another_shape():
+    import numpy as np
+
+    from mxfp8_convert.layouts import unswizzle_128x4_array
+
+    with pytest.raises(LayoutError, match=r"do not hold a \[128, 8\] scale"):
+        unswizzle_128x4_array(np.zeros(512, dtype=np.uint8), 128, 8)

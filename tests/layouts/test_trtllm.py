@@ -49,7 +49,8 @@ def pad_rows(s: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def spec_shuffled_row(r: int) -> int:
-    """Where P32 moves logical row ``r`` (the inverse of SPEC's ``32*(p//32) + 4*(p%8) + (p%32)//8``)."""
+    """Where P32 moves logical row ``r`` (the inverse of SPEC's
+    ``32*(p//32) + 4*(p%8) + (p%32)//8``)."""
     return 32 * (r // 32) + 8 * (r % 4) + (r % 32) // 4
 
 
@@ -280,7 +281,8 @@ def test_array_equals_torch_from_canonical(n, c, seed):
 
     from mxfp8_convert.layouts import trtllm_scale_from_canonical_array, trtllm_scale_shape
 
-    s = torch.randint(0, 256, (n, c), dtype=torch.uint8, generator=torch.Generator().manual_seed(seed))
+    gen = torch.Generator().manual_seed(seed)
+    s = torch.randint(0, 256, (n, c), dtype=torch.uint8, generator=gen)
     got = trtllm_scale_from_canonical_array(s.numpy())
     assert got.dtype == np.uint8 and got.shape == trtllm_scale_shape(n, c)
     assert got.tobytes() == trtllm_scale_from_canonical(s).numpy().tobytes()
@@ -293,3 +295,27 @@ def test_array_refuses_rows_not_multiple_of_32():
 
     with pytest.raises(LayoutError, match="N % 32"):
         trtllm_scale_from_canonical_array(np.zeros((48, 4), dtype=np.uint8))
+
+
+@settings(max_examples=60, deadline=None)
+@given(n=st.integers(1, 12).map(lambda b: 32 * b), c=st.integers(1, 40), seed=st.integers(0, 2**31))
+def test_array_inverse_is_exact_and_equals_torch(n, c, seed):
+    """trtllm_scale_to_canonical_array undoes the numpy forward on random bytes (tiles or flat),
+    and reads random tiles as the torch inverse does."""
+    import numpy as np
+
+    from mxfp8_convert.layouts import (
+        trtllm_scale_from_canonical_array,
+        trtllm_scale_shape,
+        trtllm_scale_to_canonical_array,
+    )
+
+    rng = np.random.default_rng(seed)
+    s = rng.integers(0, 256, (n, c), dtype=np.uint8)
+    tiles = trtllm_scale_from_canonical_array(s)
+    for laid in (tiles, tiles.reshape(-1)):
+        back = trtllm_scale_to_canonical_array(laid, n, c)
+        assert back.dtype == np.uint8 and back.shape == (n, c) and np.array_equal(back, s)
+    noise = rng.integers(0, 256, trtllm_scale_shape(n, c), dtype=np.uint8)
+    want = trtllm_scale_to_canonical(torch.from_numpy(noise.copy()), n, c).numpy()
+    assert np.array_equal(trtllm_scale_to_canonical_array(noise, n, c), want)
