@@ -69,11 +69,19 @@ app = typer.Typer(
 
 SUBCOMMANDS = ("convert", "verify", "inspect", "finalize")
 
-ModelArg = Annotated[str, typer.Argument(metavar="MODEL", help="Model folder, or Hugging Face Hub repo id (org/name).", show_default=False)]
+ModelArg = Annotated[
+    str,
+    typer.Argument(
+        metavar="MODEL", help="Model folder, or Hugging Face Hub repo id (org/name).",
+        show_default=False,
+    ),
+]
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print exactly one JSON document on stdout.")]
 QuietOpt = Annotated[bool, typer.Option("--quiet", "-q", help="No progress or info on stderr.")]
 DebugOpt = Annotated[bool, typer.Option("--debug", help="Show tracebacks for errors.")]
-RevisionOpt = Annotated[str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).")]
+RevisionOpt = Annotated[
+    str | None, typer.Option("--revision", help="Hub revision (branch, tag or commit).")
+]
 
 
 def _version(value: bool) -> None:
@@ -93,26 +101,119 @@ def _root(
 @app.command("convert", epilog=EPILOG, cls=JsonErrorCommand)
 def convert_cmd(
     model: ModelArg,
-    backend: Annotated[Backend, typer.Option("--backend", "-b", help="Target layout: trtllm, cutlass, or canonical (plain MXFP8, the way back).",
-                                         show_default=False)],
-    output: Annotated[str | None, typer.Option("--output", "-o", help="Output folder [default: MODEL-BACKEND beside MODEL].")] = None,
-    overwrite: Annotated[bool, typer.Option("--overwrite", help="Replace an existing output folder.")] = False,
-    dry_run: Annotated[bool, typer.Option("--dry-run", help="Print the plan; write nothing.")] = False,
-    source_format: Annotated[SourceFormat | None, typer.Option("--source-format", help="Override format detection (see `inspect`).")] = None,
-    on_ineligible: Annotated[OnIneligible, typer.Option("--on-ineligible", help="error: fail listing tensors the backend cannot take; keep: leave them canonical MXFP8.")] = OnIneligible.error,
-    ignore: Annotated[list[str] | None, typer.Option("--ignore", help="Module name pattern to leave untouched (repeatable).")] = None,
+    backend: Annotated[
+        Backend,
+        typer.Option(
+            "--backend", "-b",
+            help="Target layout: trtllm, cutlass, or canonical (plain MXFP8, the way back).",
+            show_default=False,
+        ),
+    ],
+    output: Annotated[
+        str | None,
+        typer.Option("--output", "-o", help="Output folder [default: MODEL-BACKEND beside MODEL]."),
+    ] = None,
+    overwrite: Annotated[
+        bool, typer.Option("--overwrite", help="Replace an existing output folder.")
+    ] = False,
+    dry_run: Annotated[
+        bool, typer.Option("--dry-run", help="Print the plan; write nothing.")
+    ] = False,
+    source_format: Annotated[
+        SourceFormat | None,
+        typer.Option("--source-format", help="Override format detection (see `inspect`)."),
+    ] = None,
+    on_ineligible: Annotated[
+        OnIneligible,
+        typer.Option(
+            "--on-ineligible",
+            help="error: fail listing tensors the backend cannot take; "
+            "keep: leave them canonical MXFP8.",
+        ),
+    ] = OnIneligible.error,
+    ignore: Annotated[
+        list[str] | None,
+        typer.Option("--ignore", help="Module name pattern to leave untouched (repeatable)."),
+    ] = None,
     revision: RevisionOpt = None,
-    fresh: Annotated[bool, typer.Option("--fresh", help="Discard an interrupted earlier run instead of resuming it.")] = False,
-    push_to_hub: Annotated[str | None, typer.Option("--push-to-hub", metavar="REPO", help="After a conversion that verifies, upload it to this Hub repo (created if needed).")] = None,
-    private: Annotated[bool, typer.Option("--private", help="With --push-to-hub: create the repo private.")] = False,
-    push_branch: Annotated[str | None, typer.Option("--push-branch", help="With --push-to-hub: the branch to upload to (created if needed).")] = None,
-    num_parts: Annotated[int | None, typer.Option("--num-parts", help="Split the conversion by input shard into N parts (job arrays); see `finalize`.")] = None,
-    part: Annotated[int | None, typer.Option("--part", help="With --num-parts: the part this task converts, 0..N-1 (e.g. $SLURM_ARRAY_TASK_ID).")] = None,
-    workers: Annotated[int, typer.Option("--workers", help="Shards converted in parallel on this machine. Each worker's writer already keeps one core busy copying into the page cache, so more workers help only with cores and disk bandwidth to spare (not on 2 cores: BENCHMARKS.md).")] = 1,
-    max_memory: Annotated[str | None, typer.Option("--max-memory", help="Memory budget for the workers, e.g. 8GiB (fewer workers run if needed).")] = None,
-    moe: Annotated[MoEMode, typer.Option("--moe", help="Per-expert MoE weights (experts.<e>.{gate,up,down}_proj, w1/w3/w2). fuse: for trtllm, into the fused MoE kernel's [E, 2I, H] and [E, H, I] tensors (other backends: linears like any other); keep: leave them per-expert canonical MXFP8.")] = MoEMode.fuse,
-    quantize_towers: Annotated[bool, typer.Option("--quantize-towers", help="Dense sources: also quantize the linear layers outside the language model (vision/audio towers, projectors, task heads).")] = False,
-    allow_no_quantized: Annotated[bool, typer.Option("--allow-no-quantized", help="Write a plain copy when no module would be converted (otherwise an error).")] = False,
+    fresh: Annotated[
+        bool,
+        typer.Option("--fresh", help="Discard an interrupted earlier run instead of resuming it."),
+    ] = False,
+    push_to_hub: Annotated[
+        str | None,
+        typer.Option(
+            "--push-to-hub", metavar="REPO",
+            help="After a conversion that verifies, upload it to this Hub repo "
+            "(created if needed).",
+        ),
+    ] = None,
+    private: Annotated[
+        bool, typer.Option("--private", help="With --push-to-hub: create the repo private.")
+    ] = False,
+    push_branch: Annotated[
+        str | None,
+        typer.Option(
+            "--push-branch",
+            help="With --push-to-hub: the branch to upload to (created if needed).",
+        ),
+    ] = None,
+    num_parts: Annotated[
+        int | None,
+        typer.Option(
+            "--num-parts",
+            help="Split the conversion by input shard into N parts (job arrays); see `finalize`.",
+        ),
+    ] = None,
+    part: Annotated[
+        int | None,
+        typer.Option(
+            "--part",
+            help="With --num-parts: the part this task converts, 0..N-1 "
+            "(e.g. $SLURM_ARRAY_TASK_ID).",
+        ),
+    ] = None,
+    workers: Annotated[
+        int,
+        typer.Option(
+            "--workers",
+            help="Shards converted in parallel on this machine. Each worker's writer already "
+            "keeps one core busy copying into the page cache, so more workers help only with "
+            "cores and disk bandwidth to spare (not on 2 cores: BENCHMARKS.md).",
+        ),
+    ] = 1,
+    max_memory: Annotated[
+        str | None,
+        typer.Option(
+            "--max-memory",
+            help="Memory budget for the workers, e.g. 8GiB (fewer workers run if needed).",
+        ),
+    ] = None,
+    moe: Annotated[
+        MoEMode,
+        typer.Option(
+            "--moe",
+            help="Per-expert MoE weights (experts.<e>.{gate,up,down}_proj, w1/w3/w2). "
+            "fuse: for trtllm, into the fused MoE kernel's [E, 2I, H] and [E, H, I] tensors "
+            "(other backends: linears like any other); "
+            "keep: leave them per-expert canonical MXFP8.",
+        ),
+    ] = MoEMode.fuse,
+    quantize_towers: Annotated[
+        bool,
+        typer.Option(
+            "--quantize-towers",
+            help="Dense sources: also quantize the linear layers outside the language model "
+            "(vision/audio towers, projectors, task heads).",
+        ),
+    ] = False,
+    allow_no_quantized: Annotated[
+        bool,
+        typer.Option(
+            "--allow-no-quantized",
+            help="Write a plain copy when no module would be converted (otherwise an error).",
+        ),
+    ] = False,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -129,19 +230,24 @@ def convert_cmd(
     if num_parts is not None and not 0 <= part < num_parts:
         raise typer.BadParameter(f"--part {part} is not in 0..{num_parts - 1}", param_hint="--part")
     if num_parts is not None and push_to_hub is not None:
-        raise typer.BadParameter("push after `finalize`, not from a part", param_hint="--push-to-hub")
+        raise typer.BadParameter(
+            "push after `finalize`, not from a part", param_hint="--push-to-hub"
+        )
     if workers < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--workers")
     budget = parse_size(max_memory) if max_memory is not None else None
     if push_to_hub is None and (private or push_branch):
-        raise typer.BadParameter("--private and --push-branch need --push-to-hub", param_hint="--push-to-hub")
+        raise typer.BadParameter(
+            "--private and --push-branch need --push-to-hub", param_hint="--push-to-hub"
+        )
     if push_to_hub is not None and dry_run:
         raise typer.BadParameter("--dry-run writes nothing to push", param_hint="--push-to-hub")
     with handle_errors(out, debug=debug), out.progress() as on_progress:
         result = convert(model, backend.value, output, overwrite=overwrite, dry_run=dry_run,
                          source_format=source_format and source_format.value,
                          on_ineligible=on_ineligible.value, ignore=ignore,
-                         revision=revision, fresh=fresh, hub_repo_id=push_to_hub, progress=on_progress,
+                         revision=revision, fresh=fresh, hub_repo_id=push_to_hub,
+                         progress=on_progress,
                          part=(part, num_parts) if num_parts is not None else None, workers=workers,
                          max_memory=budget, moe=moe.value, quantize_towers=quantize_towers,
                          allow_no_quantized=allow_no_quantized)
@@ -184,8 +290,13 @@ def parse_size(text: str) -> int:
 
 @app.command("finalize", cls=JsonErrorCommand)
 def finalize_cmd(
-    path: Annotated[str, typer.Argument(metavar="OUT", help="The output the parts were converted to.")],
-    source: Annotated[str | None, typer.Option("--source", help="The source, if not at the path the parts recorded.")] = None,
+    path: Annotated[
+        str, typer.Argument(metavar="OUT", help="The output the parts were converted to.")
+    ],
+    source: Annotated[
+        str | None,
+        typer.Option("--source", help="The source, if not at the path the parts recorded."),
+    ] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -204,27 +315,34 @@ def _render_convert(console, result, push: dict | None = None) -> None:
     plan = result.plan
     if result.part is not None:
         i, n = result.part
-        console.print(f"Part {i} of {n} done ({human_bytes(result.bytes_written)} in {result.seconds:.2f} s); "
+        done = f"{human_bytes(result.bytes_written)} in {result.seconds:.2f} s"
+        console.print(f"Part {i} of {n} done ({done}); "
                       "run `mxfp8-convert finalize OUT` once every part has run.")
         return
-    rows = [[m.name, f"{m.n}x{m.k}", m.action, m.layout + (f" ({m.reason})" if m.reason else ""), m.decided_by]
+    rows = [[m.name, f"{m.n}x{m.k}", m.action,
+             m.layout + (f" ({m.reason})" if m.reason else ""), m.decided_by]
             for m in plan.modules]
     if result.dry_run:
         console.print(table(f"Plan: {plan.format} -> {plan.backend}",
                             ["module", "N x K", "action", "layout", "decided by"], rows))
         if plan.moe:
-            console.print(table("Fused MoE blocks", ["block", "experts", "H", "I", "action", "shard"],
-                                [[m.name, m.experts, m.hidden, m.intermediate, m.gate[0].action, m.shard]
+            console.print(table("Fused MoE blocks",
+                                ["block", "experts", "H", "I", "action", "shard"],
+                                [[m.name, m.experts, m.hidden, m.intermediate,
+                                  m.gate[0].action, m.shard]
                                  for m in plan.moe]))
         if plan.unquantized:
-            console.print(table("Left as they are", ["weight", "shape", "kind", "decided by", "why"],
+            console.print(table("Left as they are",
+                                ["weight", "shape", "kind", "decided by", "why"],
                                 [[u.name, "x".join(map(str, u.shape)), u.kind, u.decided_by, u.why]
                                  for u in plan.unquantized]))
         console.print(table("Tensors by role", ["role", "layout", "dtype", "tensors", "bytes"],
                             _tensors_by_role(plan)))
         console.print(table("Shards", ["file", "tensors", "bytes"],
                             [[s.name, len(s.tensors), human_bytes(s.nbytes)] for s in plan.shards]))
-        exists = " (it exists: a real run needs --overwrite)" if Path(result.output).exists() else ""
+        exists = ""
+        if Path(result.output).exists():
+            exists = " (it exists: a real run needs --overwrite)"
         console.print(f"Dry run: nothing written. Output would be {result.output}{exists}")
         return
     d = plan.to_dict()
@@ -269,10 +387,12 @@ def _left_summary(plan) -> list[list[str]]:
     split = sorted({m.name.rsplit(".", 2)[0] for m in plan.modules if m.stacked is not None}
                    | {layer.name for layer in plan.moe if layer.gate[0].stacked is not None})
     if split:
-        rows.append(["stacked experts", f"{len(split)} blocks quantized per expert ({split[0]}, ...)"])
+        rows.append(["stacked experts",
+                     f"{len(split)} blocks quantized per expert ({split[0]}, ...)"])
     deq = [m.name for m in plan.modules if m.action == "dequantize"]
     if deq:
-        rows.append(["dequantized", f"{len(deq)} modules written in the model's dtype ({deq[0]}, ...)"])
+        rows.append(["dequantized",
+                     f"{len(deq)} modules written in the model's dtype ({deq[0]}, ...)"])
     if plan.dropped:
         rows.append(["dropped", f"{len(plan.dropped)} static activation scales (input_scale): "
                      "MXFP8 activations are quantized dynamically"])
@@ -300,7 +420,9 @@ def _error_summary(errors: dict) -> list[list[str]]:
         by_action.setdefault(e["action"], {})[name] = e
     rows = []
     for action, errs in by_action.items():
-        worst = min(errs, key=lambda n: math.inf if errs[n]["sqnr_db"] is None else errs[n]["sqnr_db"])
+        worst = min(
+            errs, key=lambda n: math.inf if errs[n]["sqnr_db"] is None else errs[n]["sqnr_db"]
+        )
         e = errs[worst]
         sqnr = "exact" if e["sqnr_db"] is None else f"{e['sqnr_db']:.1f} dB"
         rel = "" if e["rel_fro"] is None else f" (rel. error {e['rel_fro']:.2e})"
@@ -338,9 +460,29 @@ def _kept_summary(kept: tuple[str, ...]) -> str:
 @app.command("verify", cls=JsonErrorCommand)
 def verify_cmd(
     path: Annotated[str, typer.Argument(metavar="OUT", help="A folder written by mxfp8-convert.")],
-    source: Annotated[str | None, typer.Option("--source", help="The checkpoint it was converted from: invert every layout and compare bytes.")] = None,
-    no_hashes: Annotated[bool, typer.Option("--no-hashes", help="Skip re-hashing every file: a changed byte that keeps a file's size goes unseen (unless --source compares it). Sizes, missing and unlisted files are still checked.")] = False,
-    source_format: Annotated[SourceFormat | None, typer.Option("--source-format", help="The source's format [default: the one the output records].")] = None,
+    source: Annotated[
+        str | None,
+        typer.Option(
+            "--source",
+            help="The checkpoint it was converted from: invert every layout and compare bytes.",
+        ),
+    ] = None,
+    no_hashes: Annotated[
+        bool,
+        typer.Option(
+            "--no-hashes",
+            help="Skip re-hashing every file: a changed byte that keeps a file's size goes "
+            "unseen (unless --source compares it). "
+            "Sizes, missing and unlisted files are still checked.",
+        ),
+    ] = False,
+    source_format: Annotated[
+        SourceFormat | None,
+        typer.Option(
+            "--source-format",
+            help="The source's format [default: the one the output records].",
+        ),
+    ] = None,
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -366,7 +508,8 @@ def verify_cmd(
 
 
 def _render_verify(console, report) -> None:
-    rows = [["path", report.path], ["backend", str(report.backend)], ["files checked", str(report.files_checked)],
+    rows = [["path", report.path], ["backend", str(report.backend)],
+            ["files checked", str(report.files_checked)],
             ["tensors checked", str(report.tensors_checked)]]
     if report.source:
         rows += [["source", report.source], ["modules compared", str(report.modules_compared)]]
@@ -380,7 +523,10 @@ def _render_verify(console, report) -> None:
 @app.command("inspect", cls=JsonErrorCommand)
 def inspect_cmd(
     path: ModelArg,
-    source_format: Annotated[SourceFormat | None, typer.Option("--source-format", help="Override format detection.")] = None,
+    source_format: Annotated[
+        SourceFormat | None,
+        typer.Option("--source-format", help="Override format detection."),
+    ] = None,
     revision: RevisionOpt = None,
     as_json: JsonOpt = False,
     debug: DebugOpt = False,
@@ -397,29 +543,36 @@ def inspect_cmd(
 
 
 def _render_inspect(console, report) -> None:
-    head = [["path", report.path], ["format", f"{report.format} ({report.kind})"], ["shards", str(report.shards)]]
+    head = [["path", report.path], ["format", f"{report.format} ({report.kind})"],
+            ["shards", str(report.shards)]]
     if report.backend:
         head.append(["laid out for", f"{report.backend} (complete: {report.complete})"])
         sizes = "not recorded (format version 1)" if report.tp_compat is None else (
             ", ".join(map(str, report.tp_compat)) or "none")
         head.append(["tensor parallel", sizes])
     for role in sorted(report.bytes_by_role):
-        head.append([f"{role} tensors", f"{report.count_by_role[role]} ({human_bytes(report.bytes_by_role[role])})"])
+        size = human_bytes(report.bytes_by_role[role])
+        head.append([f"{role} tensors", f"{report.count_by_role[role]} ({size})"])
     for backend, what in report.actions.items():
         head.append([f"-> {backend}", what])
     console.print(table("Checkpoint", ["", ""], head))
     from mxfp8_convert.plan import expert_key
 
     if report.moe:
-        console.print(table("MoE blocks", ["block", "experts", "H", "I", "stored as", "fused MoE (trtllm)"],
+        console.print(table("MoE blocks",
+                            ["block", "experts", "H", "I", "stored as", "fused MoE (trtllm)"],
                             [[m.name, m.experts, m.hidden, m.intermediate, m.stored,
-                              "ok" if not m.why_not else "; ".join(m.why_not)] for m in report.moe]))
+                              "ok" if not m.why_not else "; ".join(m.why_not)]
+                             for m in report.moe]))
     blocks = {m.name for m in report.moe}
-    modules = [m for m in report.modules if (expert_key(m.name) or ("",))[0] not in blocks]  # shown above
+    # a MoE block's experts are in the table above
+    modules = [m for m in report.modules if (expert_key(m.name) or ("",))[0] not in blocks]
     backends = sorted({b for m in report.modules for b in m.backends})
     rows = [[m.name, "x".join(map(str, m.shape)), m.weight_dtype, m.layout,
-             *["ok" if not m.backends[b] else "; ".join(m.backends[b]) for b in backends]] for m in modules]
-    console.print(table("Linear modules", ["module", "shape", "dtype", "stored as", *backends], rows))
+             *["ok" if not m.backends[b] else "; ".join(m.backends[b]) for b in backends]]
+            for m in modules]
+    columns = ["module", "shape", "dtype", "stored as", *backends]
+    console.print(table("Linear modules", columns, rows))
 
 
 def _on_signal(signum, frame) -> None:

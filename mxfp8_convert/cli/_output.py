@@ -82,12 +82,14 @@ class Output:
 
     @contextmanager
     def progress(self):
-        """Yield a callback for ``ProgressEvent``s: a byte-counting bar on a terminal, else a no-op."""
+        """Yield a callback for ``ProgressEvent``s: a byte-counting bar on a terminal, else a
+        no-op."""
         if not self.interactive:
             yield lambda e: None
             return
         bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
-                       TransferSpeedColumn(), TimeRemainingColumn(), console=self.err, transient=True)
+                       TransferSpeedColumn(), TimeRemainingColumn(), console=self.err,
+                       transient=True)
         task = None
 
         def on_event(e) -> None:
