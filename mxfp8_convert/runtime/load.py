@@ -60,7 +60,8 @@ class MXFP8Checkpoint:
         path: the checkpoint folder.
         marker: config.json's ``quantization_config`` (the layout marker).
         config: the whole config.json.
-        engine: the engine the weights were checked against (``flashinfer``/``triton``/``reference``).
+        engine: the engine the weights were checked against
+            (``flashinfer``/``triton``/``reference``).
         weights: module name (``model.layers.0.mlp.up_proj``) -> :class:`MXFP8Weight`.
         tensors: every other tensor (biases, norms, embeddings, ignored modules), by full name.
     """
@@ -101,7 +102,8 @@ def _read_markers(root: Path, backend: str | None) -> tuple[dict, Completion]:
         raise SourceError(f"{root}: not a checkpoint folder")
     if not (root / COMPLETE_MARKER).is_file():
         raise MarkerError(
-            f"{root}: no {COMPLETE_MARKER}: not a complete mxfp8-convert output (crashed or still running?)",
+            f"{root}: no {COMPLETE_MARKER}: not a complete mxfp8-convert output "
+            "(crashed or still running?)",
             hint="re-run the conversion; never load a folder without its completion marker",
         )
     done = Completion.read(root)
@@ -137,9 +139,11 @@ def _check_files(root: Path, done: Completion, reads: list[str], check_hashes: b
         except OSError:
             size = None
         if size is None:
-            raise MarkerError(f"{p}: listed in {COMPLETE_MARKER} but missing or not a file", hint=_CHANGED)
+            raise MarkerError(f"{p}: listed in {COMPLETE_MARKER} but missing or not a file",
+                              hint=_CHANGED)
         if size != rec.size:
-            raise MarkerError(f"{p}: {size} bytes, {COMPLETE_MARKER} records {rec.size}", hint=_CHANGED)
+            raise MarkerError(f"{p}: {size} bytes, {COMPLETE_MARKER} records {rec.size}",
+                              hint=_CHANGED)
         if check_hashes and file_digest(p) != rec.xxh3_128:
             raise MarkerError(f"{p}: xxh3_128 differs from {COMPLETE_MARKER}", hint=_CHANGED)
 
@@ -152,15 +156,18 @@ def _check_flashinfer_version(marker: dict, root: Path) -> None:
     want = marker["flashinfer_layout_version"]
     if have != want:
         raise MarkerError(
-            f"{root}: laid out for FlashInfer {want}, installed FlashInfer is {have}; kernel layouts are internals",
-            hint=f"install flashinfer-python=={want}, or verify the layouts and pass check_flashinfer_version=False",
+            f"{root}: laid out for FlashInfer {want}, installed FlashInfer is {have}; "
+            "kernel layouts are internals",
+            hint=f"install flashinfer-python=={want}, or verify the layouts and pass "
+            "check_flashinfer_version=False",
         )
 
 
 def _shard_files(root: Path) -> list[str]:
     index = root / INDEX_FILE
     if index.is_file():
-        weight_map = read_json(safe_child(root, INDEX_FILE, what="index"), "index").get("weight_map")
+        index_doc = read_json(safe_child(root, INDEX_FILE, what="index"), "index")
+        weight_map = index_doc.get("weight_map")
         if not isinstance(weight_map, dict) or not weight_map:
             raise SourceError(f"{index}: no weight_map")
         if not all(isinstance(rel, str) for rel in weight_map.values()):
@@ -198,7 +205,8 @@ def _read_shard(root: Path, shard: str, marker: dict, device: str) -> tuple[dict
 def _check_record(records: dict, name: str, layout: str) -> None:
     rec = records.get(name)
     if rec is not None and rec.get("layout") != layout:
-        raise MarkerError(f"{name}: per-tensor record says layout {rec.get('layout')!r}, marker says {layout!r}")
+        raise MarkerError(f"{name}: per-tensor record says layout {rec.get('layout')!r}, "
+                          f"marker says {layout!r}")
 
 
 def _pair_weights(tensors: dict, records: dict, marker: dict) -> dict[str, MXFP8Weight]:
@@ -240,7 +248,8 @@ def load_checkpoint(
     Args:
         path: checkpoint folder (docs/FORMAT.md).
         device: where the tensors go (``"cuda"``, ``"cuda:1"``, ``"cpu"``).
-        backend: the ``mm_mxfp8`` backend you will run; a checkpoint laid out for another is refused.
+        backend: the ``mm_mxfp8`` backend you will run; a checkpoint laid out for another is
+            refused.
         engine: ``"auto"``, ``"flashinfer"``, ``"triton"`` or ``"reference"``: the engine that will
             run it, checked against the layouts found and the device.
         check_flashinfer_version: for the flashinfer engine, refuse a FlashInfer release other than
@@ -258,7 +267,8 @@ def load_checkpoint(
     marker, done = _read_markers(root, backend)
     shards = _shard_files(root)
     has_index = (root / INDEX_FILE).is_file()
-    _check_files(root, done, [CONFIG_FILE, *([INDEX_FILE] if has_index else []), *shards], check_hashes)
+    listed = [CONFIG_FILE, *([INDEX_FILE] if has_index else []), *shards]
+    _check_files(root, done, listed, check_hashes)
     device = str(torch.device(device))
     name = check_engine(engine, device, marker["backend"])
     if name == "flashinfer" and check_flashinfer_version:

@@ -2,8 +2,8 @@
 
 A layer's experts are held as :class:`MXFP8MoEWeights`, in the layout of FlashInfer's
 ``trtllm_fp8_block_scale_moe`` with ``Fp8QuantizationType.MxFp8`` (``layouts/moe.py``,
-docs/LAYOUTS.md section 6): FC1 ``w13 [E, 2I, H]`` = ``cat([up, gate])`` rows interleaved then P32, FC2
-``w2 [E, H, I]`` P32, scales the same rows then 128x4 tiles.
+docs/LAYOUTS.md section 6): FC1 ``w13 [E, 2I, H]`` = ``cat([up, gate])`` rows interleaved then
+P32, FC2 ``w2 [E, H, I]`` P32, scales the same rows then 128x4 tiles.
 
 Semantics, on every engine (FlashInfer's docstring of ``trtllm_fp8_block_scale_moe`` and its test
 oracle ``run_moe_dequant``, tests/moe/trtllm_gen_fused_moe_utils.py)::
@@ -28,8 +28,9 @@ Engines (``engine=``, same names and ``auto`` rule as the dense linear, ``select
   ``method="loop"`` (default): per expert the dense Triton kernels (``runtime/hopper/``) on that
   expert's slice of the laid-out bytes: ``w13[e]`` is exactly a trtllm dense weight of the
   interleaved ``[2I, H]`` matrix, so output column ``2j`` is ``up_j`` and ``2j+1`` is ``gate_j``;
-  ``w2[e]`` is a trtllm dense ``[H, I]`` weight; or ``method="grouped"`` (``hopper/grouped_moe.py``): one
-  launch per GEMM for all experts, SwiGLU and requantization in FC1's epilogue. Both store FC1
+  ``w2[e]`` is a trtllm dense ``[H, I]`` weight; or ``method="grouped"``
+  (``hopper/grouped_moe.py``): one launch per GEMM for all experts, SwiGLU and requantization
+  in FC1's epilogue. Both store FC1
   and FC2 outputs in bf16 (as the dense kernel does) and sum the top-k in float32; they agree
   bit for bit up to fp32 summation order. Against the oracle below they differ by ~1.6e-2
   relative, because rounding FC1 to bf16 before the activation's MXFP8 requantization moves some
@@ -111,24 +112,31 @@ class MXFP8MoEWeights:
         h, i = int(self.hidden), int(self.intermediate)
         bad = moe_shape_violations(h, i)
         if bad:
-            raise LayoutError(f"{what}: H={h}, I={i} does not fit the trtllm MXFP8 fused MoE: {'; '.join(bad)}")
+            raise LayoutError(f"{what}: H={h}, I={i} does not fit the trtllm MXFP8 fused MoE: "
+                              f"{'; '.join(bad)}")
         for field, t in (("w13", self.w13), ("w2", self.w2)):
             if t.dtype != _E4M3 or t.dim() != 3:
-                raise LayoutError(f"{what}: {field} must be float8_e4m3fn [E, rows, K], got {t.dtype} {list(t.shape)}")
+                raise LayoutError(f"{what}: {field} must be float8_e4m3fn [E, rows, K], "
+                                  f"got {t.dtype} {list(t.shape)}")
         e = self.w13.shape[0]
         for field, t, want in (("w13", self.w13, (e, 2 * i, h)), ("w2", self.w2, (e, h, i))):
             if tuple(t.shape) != want:
-                raise LayoutError(f"{what}: {field} must have shape {list(want)} (E, H={h}, I={i}), got {list(t.shape)}")
-        object.__setattr__(self, "w13_scale", _scale_tiles(self.w13_scale, moe_fc1_scale_shape(h, i, e),
-                                                           (e, 2 * i, h // MX_BLOCK), f"{what}: w13_scale"))
-        object.__setattr__(self, "w2_scale", _scale_tiles(self.w2_scale, moe_fc2_scale_shape(h, i, e),
-                                                          (e, h, i // MX_BLOCK), f"{what}: w2_scale"))
+                raise LayoutError(f"{what}: {field} must have shape {list(want)} "
+                                  f"(E, H={h}, I={i}), got {list(t.shape)}")
+        w13_scale = _scale_tiles(self.w13_scale, moe_fc1_scale_shape(h, i, e),
+                                 (e, 2 * i, h // MX_BLOCK), f"{what}: w13_scale")
+        w2_scale = _scale_tiles(self.w2_scale, moe_fc2_scale_shape(h, i, e),
+                                (e, h, i // MX_BLOCK), f"{what}: w2_scale")
+        object.__setattr__(self, "w13_scale", w13_scale)
+        object.__setattr__(self, "w2_scale", w2_scale)
         devices = {t.device for t in (self.w13, self.w13_scale, self.w2, self.w2_scale)}
         if len(devices) != 1:
-            raise LayoutError(f"{what}: tensors on several devices ({', '.join(sorted(map(str, devices)))})")
+            listed = ", ".join(sorted(map(str, devices)))
+            raise LayoutError(f"{what}: tensors on several devices ({listed})")
         for field in ("w13", "w13_scale", "w2", "w2_scale"):
             if not getattr(self, field).is_contiguous():
-                raise LayoutError(f"{what}: {field} must be contiguous (the kernels index it by expert stride)")
+                raise LayoutError(f"{what}: {field} must be contiguous "
+                                  "(the kernels index it by expert stride)")
         object.__setattr__(self, "hidden", h)
         object.__setattr__(self, "intermediate", i)
 
@@ -146,12 +154,15 @@ class MXFP8MoEWeights:
                                self.w2_scale.to(device), self.hidden, self.intermediate, self.name)
 
     def kernel_scales(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """The scale bytes as FlashInfer hands them to the kernel: ``[E, 2I, H/32]``, ``[E, H, I/32]``."""
+        """The scale bytes as FlashInfer hands them to the kernel: ``[E, 2I, H/32]``,
+        ``[E, H, I/32]``."""
         e, h, i = self.num_experts, self.hidden, self.intermediate
-        return (self.w13_scale.view(e, 2 * i, h // MX_BLOCK), self.w2_scale.view(e, h, i // MX_BLOCK))
+        return (self.w13_scale.view(e, 2 * i, h // MX_BLOCK),
+                self.w2_scale.view(e, h, i // MX_BLOCK))
 
     def canonical(self) -> dict[str, tuple[torch.Tensor, torch.Tensor]]:
-        """Invert the layouts: ``{"up"|"gate": (q [E, I, H], s [E, I, H/32]), "down": (q [E, H, I], s [E, H, I/32])}``.
+        """Invert the layouts: ``{"up"|"gate": (q [E, I, H], s [E, I, H/32]),
+        "down": (q [E, H, I], s [E, H, I/32])}``.
 
         Allocates new tensors; the engines never call this (the tests do).
         """
@@ -170,7 +181,8 @@ class MXFP8MoEWeights:
         down: tuple[torch.Tensor, torch.Tensor],
         name: str = "",
     ) -> MXFP8MoEWeights:
-        """Lay out canonical MXFP8 experts (``layouts/moe.py``); bytes are moved, never re-quantized.
+        """Lay out canonical MXFP8 experts (``layouts/moe.py``); bytes are moved, never
+        re-quantized.
 
         Args:
             up: ``(q, s)``: e4m3 ``[E, I, H]`` and uint8 ``[E, I, H/32]`` of ``up_proj`` (w3).
@@ -180,8 +192,9 @@ class MXFP8MoEWeights:
         """
         (uq, us), (gq, gs), (dq, ds) = up, gate, down
         if uq.dim() != 3 or dq.dim() != 3:
-            raise LayoutError(f"{name or 'experts'}: canonical experts must be stacked [E, rows, K] tensors, "
-                              f"got up {list(uq.shape)} and down {list(dq.shape)}")
+            raise LayoutError(f"{name or 'experts'}: canonical experts must be stacked "
+                              f"[E, rows, K] tensors, got up {list(uq.shape)} "
+                              f"and down {list(dq.shape)}")
         _, i, h = uq.shape
         return cls(moe_fc1_weight_from_canonical(uq, gq), moe_fc1_scale_from_canonical(us, gs),
                    moe_fc2_weight_from_canonical(dq), moe_fc2_scale_from_canonical(ds), h, i, name)
@@ -209,7 +222,8 @@ class MXFP8MoEWeights:
         down: torch.Tensor | Sequence[torch.Tensor],
         name: str = "",
     ) -> MXFP8MoEWeights:
-        """Quantize high-precision experts with FlashInfer's recipe (``quantize.quantize_mxfp8``), lay out.
+        """Quantize high-precision experts with FlashInfer's recipe (``quantize.quantize_mxfp8``),
+        lay out.
 
         For test models and experiments; a real checkpoint is converted offline.
 
@@ -220,10 +234,12 @@ class MXFP8MoEWeights:
         from mxfp8_convert.quantize import quantize_mxfp8 as quantize_weight
 
         def q(ws, what):
-            pairs = [quantize_weight(w, name=f"{name or 'experts'}.{e}.{what}") for e, w in enumerate(ws)]
+            pairs = [quantize_weight(w, name=f"{name or 'experts'}.{e}.{what}")
+                     for e, w in enumerate(ws)]
             return torch.stack([p[0] for p in pairs]), torch.stack([p[1] for p in pairs])
 
-        return cls.from_canonical(q(up, "up_proj"), q(gate, "gate_proj"), q(down, "down_proj"), name)
+        return cls.from_canonical(q(up, "up_proj"), q(gate, "gate_proj"), q(down, "down_proj"),
+                                  name)
 
 
 def _moe_marker(ckpt) -> MoeMarker | None:
@@ -247,7 +263,8 @@ def _from_checkpoint(cls, ckpt, block: str) -> MXFP8MoEWeights:
     blocks = moe_blocks(ckpt)
     if block not in blocks:
         listed = ", ".join(blocks[:3]) + (", ..." if len(blocks) > 3 else "") or "none"
-        raise MarkerError(f"{ckpt.path}: {block!r} is not a fused MoE block of this checkpoint (blocks: {listed})")
+        raise MarkerError(f"{ckpt.path}: {block!r} is not a fused MoE block of this checkpoint "
+                          f"(blocks: {listed})")
     names = _moe_marker(ckpt).tensor_names()
     got = {}
     for role, suffix in names.items():
@@ -257,12 +274,15 @@ def _from_checkpoint(cls, ckpt, block: str) -> MXFP8MoEWeights:
         got[role] = ckpt.tensors[name]
     w13 = got["moe_fc1_weight"]
     if w13.dim() != 3:
-        raise LayoutError(f"{block}.{names['moe_fc1_weight']}: expected [E, 2I, H], got {list(w13.shape)}")
+        raise LayoutError(f"{block}.{names['moe_fc1_weight']}: expected [E, 2I, H], "
+                          f"got {list(w13.shape)}")
     return cls(w13, got["moe_fc1_scale"], got["moe_fc2_weight"], got["moe_fc2_scale"],
                int(w13.shape[2]), int(w13.shape[1]) // 2, block)
 
 
-def _scale_tiles(s: torch.Tensor, tiles: tuple[int, ...], linear: tuple[int, ...], what: str) -> torch.Tensor:
+def _scale_tiles(
+    s: torch.Tensor, tiles: tuple[int, ...], linear: tuple[int, ...], what: str
+) -> torch.Tensor:
     """Scale bytes as uint8 128x4 tiles, refusing anything else.
 
     The tile shape is what tells laid-out scales from canonical ones: FlashInfer's kernel-shaped
@@ -277,7 +297,8 @@ def _scale_tiles(s: torch.Tensor, tiles: tuple[int, ...], linear: tuple[int, ...
         return s
     hint = " (that is a linear scale's shape: lay it out with MXFP8MoEWeights.from_canonical)" \
         if tuple(s.shape) == linear else ""
-    raise LayoutError(f"{what} must be 128x4 tiles of shape {list(tiles)}, got {list(s.shape)}{hint}")
+    raise LayoutError(f"{what} must be 128x4 tiles of shape {list(tiles)}, "
+                      f"got {list(s.shape)}{hint}")
 
 
 # --------------------------------------------------------------------------------------------
@@ -325,30 +346,41 @@ def mxfp8_fused_moe(
     name = check_engine(engine, hidden_states.device, "trtllm")
     if hidden_states.shape[0] == 0:
         return hidden_states.new_empty((0, experts.hidden), dtype=torch.bfloat16)
-    run = {"flashinfer": flashinfer_fused_moe, "triton": triton_fused_moe, "reference": reference_fused_moe}[name]
+    engines = {"flashinfer": flashinfer_fused_moe, "triton": triton_fused_moe,
+               "reference": reference_fused_moe}
+    run = engines[name]
     return run(hidden_states, topk_ids, topk_weights, experts, activation=activation)
 
 
 def _check_inputs(x, ids, w, experts, activation) -> None:
     what = experts.name or "experts"
     if activation not in ACTIVATIONS:
-        raise LayoutError(f"{what}: activation {activation!r} is not supported (supported: {', '.join(ACTIVATIONS)})")
+        raise LayoutError(f"{what}: activation {activation!r} is not supported "
+                          f"(supported: {', '.join(ACTIVATIONS)})")
     if x.dim() != 2 or x.shape[1] != experts.hidden or x.dtype not in _FLOATS:
-        raise LayoutError(f"{what}: hidden_states must be bf16/fp16/fp32 [T, {experts.hidden}], got {x.dtype} {list(x.shape)}")
+        raise LayoutError(f"{what}: hidden_states must be bf16/fp16/fp32 [T, {experts.hidden}], "
+                          f"got {x.dtype} {list(x.shape)}")
     t = x.shape[0]
-    if ids.dim() != 2 or ids.shape[0] != t or ids.dtype.is_floating_point or ids.dtype == torch.bool:
-        raise LayoutError(f"{what}: topk_ids must be an integer [T={t}, k] tensor, got {ids.dtype} {list(ids.shape)}")
+    integer = not ids.dtype.is_floating_point and ids.dtype != torch.bool
+    if ids.dim() != 2 or ids.shape[0] != t or not integer:
+        raise LayoutError(f"{what}: topk_ids must be an integer [T={t}, k] tensor, "
+                          f"got {ids.dtype} {list(ids.shape)}")
     if tuple(w.shape) != tuple(ids.shape) or not w.dtype.is_floating_point:
-        raise LayoutError(f"{what}: topk_weights must be a float {list(ids.shape)} tensor, got {w.dtype} {list(w.shape)}")
+        raise LayoutError(f"{what}: topk_weights must be a float {list(ids.shape)} tensor, "
+                          f"got {w.dtype} {list(w.shape)}")
     if ids.shape[1] < 1 or ids.shape[1] > experts.num_experts:
-        raise LayoutError(f"{what}: top-k={ids.shape[1]} must be between 1 and E={experts.num_experts}")
+        raise LayoutError(f"{what}: top-k={ids.shape[1]} must be between 1 and "
+                          f"E={experts.num_experts}")
     for nm, tensor in (("hidden_states", x), ("topk_ids", ids), ("topk_weights", w)):
         if tensor.device != experts.device:
             raise LayoutError(f"{what}: {nm} on {tensor.device}, experts on {experts.device}")
 
 
-def _expert_spans(topk_ids: torch.Tensor, num_experts: int, what: str) -> tuple[torch.Tensor, list[int]]:
-    """Stable sort of the ``T*k`` (token, slot) pairs by expert: ``(order, offsets)``, one host sync.
+def _expert_spans(
+    topk_ids: torch.Tensor, num_experts: int, what: str
+) -> tuple[torch.Tensor, list[int]]:
+    """Stable sort of the ``T*k`` (token, slot) pairs by expert: ``(order, offsets)``, one host
+    sync.
 
     ``order[j]`` is the flat index ``t*k + slot`` of the j-th pair; expert ``e`` owns
     ``order[offsets[e]:offsets[e+1]]``.
@@ -358,7 +390,8 @@ def _expert_spans(topk_ids: torch.Tensor, num_experts: int, what: str) -> tuple[
         return flat, [0] * (num_experts + 1)
     lo, hi = (int(v) for v in torch.stack([flat.min(), flat.max()]).tolist())
     if lo < 0 or hi >= num_experts:
-        raise LayoutError(f"{what}: topk_ids hold expert ids in [{lo}, {hi}], outside [0, {num_experts})")
+        raise LayoutError(f"{what}: topk_ids hold expert ids in [{lo}, {hi}], "
+                          f"outside [0, {num_experts})")
     order = torch.argsort(flat, stable=True)
     counts = torch.bincount(flat, minlength=num_experts).tolist()
     offsets = [0]
@@ -523,8 +556,9 @@ def triton_fused_moe(
     - ``method="loop"``: per expert, the dense kernel (``triton_linear``) on the expert's slice,
       FC1 into ``h13 [T*k, 2I]`` and FC2 into ``y [T*k, H]`` through ``out=`` slices; the SwiGLU
       runs once over all rows; the weighted sum is one float32 ``index_add_``.
-    - ``method="grouped"``: ``hopper.grouped_moe.grouped_fused_moe`` (one launch per GEMM, SwiGLU and the
-      requantization fused into FC1's epilogue). Same numbers up to fp32 summation order.
+    - ``method="grouped"``: ``hopper.grouped_moe.grouped_fused_moe`` (one launch per GEMM,
+      SwiGLU and the requantization fused into FC1's epilogue). Same numbers up to fp32
+      summation order.
 
     Args:
         method: ``"loop"`` or ``"grouped"`` (default :data:`DEFAULT_TRITON_METHOD`).
@@ -535,13 +569,15 @@ def triton_fused_moe(
     _check_inputs(hidden_states, topk_ids, topk_weights, experts, activation)
     method = method or DEFAULT_TRITON_METHOD
     if method not in TRITON_METHODS:
-        raise LayoutError(f"unknown triton MoE method {method!r} (choose {' or '.join(TRITON_METHODS)})")
+        raise LayoutError(f"unknown triton MoE method {method!r} "
+                          f"(choose {' or '.join(TRITON_METHODS)})")
     what = experts.name or "experts"
     order, offsets = _expert_spans(topk_ids, experts.num_experts, what)
     if method == "grouped":
         from mxfp8_convert.runtime.hopper.grouped_moe import grouped_fused_moe
 
-        return grouped_fused_moe(hidden_states, order, offsets, topk_weights, experts, config=grouped_config)
+        return grouped_fused_moe(hidden_states, order, offsets, topk_weights, experts,
+                                 config=grouped_config)
     from mxfp8_convert.runtime.hopper.launch import triton_linear
 
     t, k = topk_ids.shape
@@ -552,7 +588,8 @@ def triton_fused_moe(
     h13 = torch.empty((t * k, 2 * i), dtype=torch.bfloat16, device=dev)
     y = torch.empty((t * k, h), dtype=torch.bfloat16, device=dev)
     cfg1, cfg2 = configs or (None, None)
-    live = [(e, offsets[e], offsets[e + 1]) for e in range(experts.num_experts) if offsets[e + 1] > offsets[e]]
+    live = [(e, offsets[e], offsets[e + 1]) for e in range(experts.num_experts)
+            if offsets[e + 1] > offsets[e]]
     slices = {e: expert_slices(experts, e) for e, _, _ in live}
     for e, r0, r1 in live:
         triton_linear(xs[r0:r1], slices[e][0], out=h13[r0:r1], config=cfg1)
@@ -612,20 +649,25 @@ def trtllm_routed_moe_args(
     what = experts.name or "experts"
     t, h = hidden_q.shape if hidden_q.dim() == 2 else (-1, -1)
     if hidden_q.dtype != _E4M3 or h != experts.hidden:
-        raise LayoutError(f"{what}: activations must be float8_e4m3fn [T, {experts.hidden}], got {hidden_q.dtype} {list(hidden_q.shape)}")
+        raise LayoutError(f"{what}: activations must be float8_e4m3fn [T, {experts.hidden}], "
+                          f"got {hidden_q.dtype} {list(hidden_q.shape)}")
     if hidden_sf.dtype != torch.uint8 or tuple(hidden_sf.shape) != (t, h // MX_BLOCK):
-        raise LayoutError(f"{what}: activation scales must be uint8 [{t}, {h // MX_BLOCK}] (token-major linear), "
-                          f"got {hidden_sf.dtype} {list(hidden_sf.shape)}")
+        raise LayoutError(f"{what}: activation scales must be uint8 [{t}, {h // MX_BLOCK}] "
+                          f"(token-major linear), got {hidden_sf.dtype} {list(hidden_sf.shape)}")
     k = topk_ids.shape[1] if topk_ids.dim() == 2 else -1
-    if topk_ids.dtype != torch.int32 or tuple(topk_ids.shape) != (t, k) or not topk_ids.is_contiguous():
-        raise LayoutError(f"{what}: topk_ids must be contiguous int32 [{t}, k], got {topk_ids.dtype} {list(topk_ids.shape)}")
-    if topk_weights.dtype not in (torch.float32, torch.bfloat16) or tuple(topk_weights.shape) != (t, k) \
+    if (topk_ids.dtype != torch.int32 or tuple(topk_ids.shape) != (t, k)
+            or not topk_ids.is_contiguous()):
+        raise LayoutError(f"{what}: topk_ids must be contiguous int32 [{t}, k], "
+                          f"got {topk_ids.dtype} {list(topk_ids.shape)}")
+    if topk_weights.dtype not in (torch.float32, torch.bfloat16) \
+            or tuple(topk_weights.shape) != (t, k) \
             or not topk_weights.is_contiguous():
         raise LayoutError(f"{what}: topk_weights must be contiguous float32/bf16 [{t}, {k}], "
                           f"got {topk_weights.dtype} {list(topk_weights.shape)}")
     e = experts.num_experts
     if e % 4 or e <= k:
-        raise LayoutError(f"{what}: the trtllm routing kernel needs E % 4 == 0 and E > top-k, got E={e}, k={k}")
+        raise LayoutError(f"{what}: the trtllm routing kernel needs E % 4 == 0 and E > top-k, "
+                          f"got E={e}, k={k}")
     s13, s2 = experts.kernel_scales()
     args = {
         "topk_ids": (topk_ids, topk_weights),
@@ -676,5 +718,6 @@ def flashinfer_fused_moe(
     sf = sf.view(torch.uint8).reshape(t, experts.hidden // MX_BLOCK)
     ids = topk_ids.to(torch.int32).contiguous()
     w = topk_weights.to(torch.float32).contiguous()
-    out = fm.trtllm_fp8_block_scale_routed_moe(**trtllm_routed_moe_args(q, sf, ids, w, experts, activation=activation))
+    args = trtllm_routed_moe_args(q, sf, ids, w, experts, activation=activation)
+    out = fm.trtllm_fp8_block_scale_routed_moe(**args)
     return out[0] if isinstance(out, (list, tuple)) else out

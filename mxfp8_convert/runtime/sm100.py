@@ -31,11 +31,13 @@ def import_flashinfer() -> ModuleType:
     try:
         return importlib.import_module("flashinfer")
     except ImportError as e:
-        raise BackendUnavailableError(f"FlashInfer is not importable ({e})", hint=INSTALL_HINT) from None
+        raise BackendUnavailableError(f"FlashInfer is not importable ({e})",
+                                      hint=INSTALL_HINT) from None
 
 
 def activation_scale_len(m: int, k: int) -> int:
-    """Bytes of the 128x4-swizzled activation scales of an ``[m, k]`` input: ceil128(m)*ceil4(k/32)."""
+    """Bytes of the 128x4-swizzled activation scales of an ``[m, k]`` input:
+    ceil128(m)*ceil4(k/32)."""
     tr, tc, tile = swizzled_128x4_shape(m, k // 32)
     return tr * tc * tile
 
@@ -63,10 +65,12 @@ def mm_mxfp8_args(a: torch.Tensor, a_sf: torch.Tensor, weight: MXFP8Weight) -> d
         )
     n, k = weight.shape
     if a.dtype != torch.float8_e4m3fn or a.dim() != 2 or a.shape[1] != k:
-        raise LayoutError(f"{what}: activations must be float8_e4m3fn [M, {k}], got {a.dtype} {list(a.shape)}")
+        raise LayoutError(f"{what}: activations must be float8_e4m3fn [M, {k}], "
+                          f"got {a.dtype} {list(a.shape)}")
     want = activation_scale_len(a.shape[0], k)
     if a_sf.dtype != torch.uint8 or a_sf.dim() != 1 or a_sf.numel() != want:
-        raise LayoutError(f"{what}: activation scales must be uint8 [{want}], got {a_sf.dtype} {list(a_sf.shape)}")
+        raise LayoutError(f"{what}: activation scales must be uint8 [{want}], "
+                          f"got {a_sf.dtype} {list(a_sf.shape)}")
     return {
         "a": a,
         "b": weight.data.t(),

@@ -50,10 +50,12 @@ class MXFP8Weight:
     def __post_init__(self) -> None:
         what = self.name or "weight"
         if self.layout not in LAYOUTS:
-            raise LayoutError(f"{what}: unknown layout {self.layout!r} (known: {', '.join(LAYOUTS)})")
+            raise LayoutError(f"{what}: unknown layout {self.layout!r} "
+                              f"(known: {', '.join(LAYOUTS)})")
         if self.data.dim() != 2 or self.data.dtype != torch.float8_e4m3fn:
             raise LayoutError(
-                f"{what}: data must be float8_e4m3fn [N, K], got {self.data.dtype} {list(self.data.shape)}"
+                f"{what}: data must be float8_e4m3fn [N, K], "
+                f"got {self.data.dtype} {list(self.data.shape)}"
             )
         n, k = self.data.shape
         if k % 32:
@@ -69,9 +71,11 @@ class MXFP8Weight:
         if self.layout != CANONICAL:
             bad = BACKENDS[self.layout].violations(n, k)
             if bad:
-                raise LayoutError(f"{what}: [{n}, {k}] does not fit {self.layout}: {'; '.join(bad)}")
+                raise LayoutError(f"{what}: [{n}, {k}] does not fit {self.layout}: "
+                                  f"{'; '.join(bad)}")
         if self.data.device != self.scale.device:
-            raise LayoutError(f"{what}: data on {self.data.device} but scale on {self.scale.device}")
+            raise LayoutError(f"{what}: data on {self.data.device} "
+                              f"but scale on {self.scale.device}")
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -87,7 +91,8 @@ class MXFP8Weight:
         return MXFP8Weight(self.data.to(device), self.scale.to(device), self.layout, self.name)
 
     def canonical(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """Invert the layout: ``(q, code)`` = e4m3 ``[N, K]`` and uint8 ``[N, K/32]`` in logical order.
+        """Invert the layout: ``(q, code)`` = e4m3 ``[N, K]`` and uint8 ``[N, K/32]`` in logical
+        order.
 
         Allocates new tensors; the engines that run the weight never call this.
         """
@@ -115,7 +120,8 @@ class MXFP8Weight:
     def from_canonical(
         cls, q: torch.Tensor, code: torch.Tensor, layout: str, name: str = ""
     ) -> MXFP8Weight:
-        """Lay out canonical ``q`` (e4m3 ``[N, K]``) and ``code`` (uint8 ``[N, K/32]``) for ``layout``."""
+        """Lay out canonical ``q`` (e4m3 ``[N, K]``) and ``code`` (uint8 ``[N, K/32]``) for
+        ``layout``."""
         if layout == CANONICAL:
             return cls(q.contiguous(), _scale_as_uint8(code, name).contiguous(), layout, name)
         if layout not in KERNEL_LAYOUTS:
@@ -126,6 +132,7 @@ class MXFP8Weight:
 
 
 def _scale_as_uint8(scale: torch.Tensor, what: str) -> torch.Tensor:
-    if scale.element_size() != 1 or (scale.is_floating_point() and scale.dtype != torch.float8_e8m0fnu):
+    float_not_e8m0 = scale.is_floating_point() and scale.dtype != torch.float8_e8m0fnu
+    if scale.element_size() != 1 or float_not_e8m0:
         raise LayoutError(f"{what}: scale must be uint8 or float8_e8m0fnu, got {scale.dtype}")
     return scale.view(torch.uint8)
