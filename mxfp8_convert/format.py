@@ -326,8 +326,9 @@ def _identity_problem(quant_method: Any, format_version: Any) -> tuple[str, str]
         return (f"quant_method is {quant_method!r}, not {QUANT_METHOD!r}: "
                 "not an mxfp8-convert output"), _CONVERT
     if format_version not in READABLE_FORMAT_VERSIONS:
+        readable = ", ".join(map(str, READABLE_FORMAT_VERSIONS))
         return (f"format_version {format_version!r} is not supported "
-                f"(this release reads {', '.join(map(str, READABLE_FORMAT_VERSIONS))})"), _SAME_RELEASE
+                f"(this release reads {readable})"), _SAME_RELEASE
     return None
 
 
@@ -538,7 +539,8 @@ class Completion(_Record):
         Raises:
             error: ``"<where>: not a format_version 1 completion marker (<what>)"``.
         """
-        what = f"not a format_version {'/'.join(map(str, READABLE_FORMAT_VERSIONS))} completion marker"
+        versions = "/".join(map(str, READABLE_FORMAT_VERSIONS))
+        what = f"not a format_version {versions} completion marker"
         try:
             return cls._parse(d, where, _NestedError)
         except (_NestedError, MarkerError) as e:

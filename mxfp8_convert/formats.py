@@ -54,7 +54,8 @@ def _block_size(q: dict) -> list:
 
 def _is_sglang_mxfp8(cfg: dict, hfq: dict) -> bool:
     q = _qc(cfg)
-    return q.get("quant_method") == CANONICAL_QUANT_METHOD or (q.get("quant_method") == "fp8" and _block_size(q) == [1, 32])
+    method = q.get("quant_method")
+    return method == CANONICAL_QUANT_METHOD or (method == "fp8" and _block_size(q) == [1, 32])
 
 
 def _ct_groups(cfg: dict) -> list[dict]:
@@ -64,7 +65,8 @@ def _ct_groups(cfg: dict) -> list[dict]:
     groups = q.get("config_groups")
     if not isinstance(groups, dict):
         return []
-    return [g["weights"] for g in groups.values() if isinstance(g, dict) and isinstance(g.get("weights"), dict)]
+    return [g["weights"] for g in groups.values()
+            if isinstance(g, dict) and isinstance(g.get("weights"), dict)]
 
 
 def _is_ct_mxfp8(cfg: dict, hfq: dict) -> bool:
@@ -77,7 +79,8 @@ def _is_ct_mxfp8(cfg: dict, hfq: dict) -> bool:
 
 def _is_ct_fp8(cfg: dict, hfq: dict) -> bool:
     return any(
-        w.get("num_bits") == 8 and w.get("type") == "float" and w.get("strategy") in ("tensor", "channel")
+        w.get("num_bits") == 8 and w.get("type") == "float"
+        and w.get("strategy") in ("tensor", "channel")
         for w in _ct_groups(cfg)
     )
 
@@ -134,21 +137,25 @@ def _none(cfg: dict, hfq: dict) -> list[str]:
 FORMATS: tuple[FormatSpec, ...] = (
     FormatSpec("mxfp8_convert", "laid_out", None, "a checkpoint already laid out by mxfp8-convert",
                lambda c, h: _qc(c).get("quant_method") == LAID_OUT_QUANT_METHOD, _none),
-    FormatSpec("modelopt_mxfp8", "mxfp8", "weight_scale", "NVIDIA ModelOpt MXFP8",  # ModelOpt exports
-               lambda c, h: _modelopt_algo(c, h) == "MXFP8", _ignored_modelopt),
-    FormatSpec("compressed_tensors_mxfp8", "mxfp8", "weight_scale", "compressed-tensors MXFP8 (group 32)",  # llm-compressor
-               _is_ct_mxfp8, _ignored_ct),
-    FormatSpec("sglang_mxfp8", "mxfp8", CANONICAL_SUFFIX, "SGLang / Miles MXFP8",  # sglang mxfp8 loader
-               _is_sglang_mxfp8, _ignored_sglang),
-    FormatSpec("block_fp8", "block_fp8", CANONICAL_SUFFIX, "DeepSeek-style 128x128 block FP8",  # DeepSeek-V3
-               _is_block_fp8, _ignored_sglang),
-    FormatSpec("compressed_tensors_block_fp8", "block_fp8", "weight_scale", "compressed-tensors FP8_BLOCK",
+    FormatSpec("modelopt_mxfp8", "mxfp8", "weight_scale", "NVIDIA ModelOpt MXFP8",
+               lambda c, h: _modelopt_algo(c, h) == "MXFP8", _ignored_modelopt),  # ModelOpt exports
+    FormatSpec("compressed_tensors_mxfp8", "mxfp8", "weight_scale",
+               "compressed-tensors MXFP8 (group 32)",
+               _is_ct_mxfp8, _ignored_ct),  # llm-compressor
+    FormatSpec("sglang_mxfp8", "mxfp8", CANONICAL_SUFFIX, "SGLang / Miles MXFP8",
+               _is_sglang_mxfp8, _ignored_sglang),  # sglang mxfp8 loader
+    FormatSpec("block_fp8", "block_fp8", CANONICAL_SUFFIX, "DeepSeek-style 128x128 block FP8",
+               _is_block_fp8, _ignored_sglang),  # DeepSeek-V3
+    FormatSpec("compressed_tensors_block_fp8", "block_fp8", "weight_scale",
+               "compressed-tensors FP8_BLOCK",
                _is_ct_block_fp8, _ignored_ct),
-    FormatSpec("fp8", "fp8", "weight_scale", "per-tensor / per-channel FP8",  # vLLM fp8, ModelOpt FP8
-               _is_fp8, _ignored_modelopt),
-    FormatSpec("compressed_tensors_fp8", "fp8", "weight_scale", "compressed-tensors FP8 / FP8_DYNAMIC",
+    FormatSpec("fp8", "fp8", "weight_scale", "per-tensor / per-channel FP8",
+               _is_fp8, _ignored_modelopt),  # vLLM fp8, ModelOpt FP8
+    FormatSpec("compressed_tensors_fp8", "fp8", "weight_scale",
+               "compressed-tensors FP8 / FP8_DYNAMIC",
                _is_ct_fp8, _ignored_ct),
-    FormatSpec("dense", "dense", None, "BF16 / FP16 / FP32 (no quantization_config)", _is_dense, _none),
+    FormatSpec("dense", "dense", None, "BF16 / FP16 / FP32 (no quantization_config)",
+               _is_dense, _none),
 )
 
 FORMATS_BY_NAME: dict[str, FormatSpec] = {f.name: f for f in FORMATS}
@@ -351,8 +358,9 @@ def evidence_problem(spec: FormatSpec, infos: dict) -> str | None:
         found += 1
     if not found:
         dtypes = sorted({i.dtype for n, i in infos.items() if n.endswith(".weight")})
-        return (f"{spec.name}: no float8_e4m3fn weight with a {spec.scale_suffix} scale (weights are "
-                f"{', '.join(dtypes) or 'absent'}); the checkpoint is not {spec.description}")
+        return (f"{spec.name}: no float8_e4m3fn weight with a {spec.scale_suffix} scale "
+                f"(weights are {', '.join(dtypes) or 'absent'}); "
+                f"the checkpoint is not {spec.description}")
     return None
 
 

@@ -39,10 +39,16 @@ CARD_NAME = "README.md"
 #: where the card points engine authors for the on-disk contract
 FORMAT_REF = "`docs/FORMAT.md` of mxfp8-convert"
 #: front-matter keys of the source card that still hold for the output (license, languages, task)
-KEPT_SOURCE_METADATA = ("license", "license_name", "license_link", "language", "pipeline_tag", "datasets")
+KEPT_SOURCE_METADATA = (
+    "license", "license_name", "license_link", "language", "pipeline_tag", "datasets",
+)
 #: first line of our card's body: a card that starts with it was written by us, and the source's
-#: own card (if any) is what follows ORIGINAL_HEADING, so converting an output again does not nest cards
-CARD_MARK = "<!-- mxfp8-convert model card; the source's own card follows its 'Original model card' heading -->"
+#: own card (if any) is what follows ORIGINAL_HEADING, so converting an output again does not
+#: nest cards
+CARD_MARK = (
+    "<!-- mxfp8-convert model card; "
+    "the source's own card follows its 'Original model card' heading -->"
+)
 ORIGINAL_HEADING = "## Original model card"
 #: how to load the output; ``{where}`` is a ``snapshot_download(...)`` call or a folder path.
 #: Keep in step with ``mxfp8_convert.runtime.load_checkpoint``.
@@ -84,9 +90,11 @@ def read_output_info(output_dir: str | Path, completion: dict | None = None) -> 
 
 
 def hub_repo_from_path(path: str | Path) -> tuple[str | None, str | None]:
-    """``(repo id, commit)`` of a Hub cache snapshot folder ``.../models--org--name/snapshots/<sha>``.
+    """``(repo id, commit)`` of a Hub cache snapshot folder
+    ``.../models--org--name/snapshots/<sha>``.
 
-    Returns ``(None, None)`` for any other folder. Repo ids cannot contain ``--``, so the split is exact.
+    Returns ``(None, None)`` for any other folder. Repo ids cannot contain ``--``, so the split is
+    exact.
     """
     p = Path(path)
     if p.parent.name != "snapshots" or not p.parent.parent.name.startswith("models--"):
@@ -137,7 +145,8 @@ class OutputFacts:
 
     @property
     def fingerprint(self) -> str | None:
-        return (self.qc.get("source") or {}).get("fingerprint") or self.record.get("source_fingerprint")
+        source = self.qc.get("source") or {}
+        return source.get("fingerprint") or self.record.get("source_fingerprint")
 
     @property
     def tool_version(self) -> str:
@@ -145,7 +154,8 @@ class OutputFacts:
 
 
 def read_output_facts(output_dir: str | Path, completion: dict | None = None) -> OutputFacts:
-    """``OutputFacts`` of an output or staging folder (see ``read_output_info`` for the arguments)."""
+    """``OutputFacts`` of an output or staging folder (see ``read_output_info`` for the
+    arguments)."""
     qc, record = read_output_info(output_dir, completion)
     backend = qc["backend"] if is_marker(qc) else record["backend"]
     return OutputFacts(backend, qc, record, tuple(_kept_canonical(Path(output_dir))))
@@ -154,13 +164,15 @@ def read_output_facts(output_dir: str | Path, completion: dict | None = None) ->
 def _front_matter(facts: OutputFacts, source_meta: dict, source_repo: str | None) -> str:
     from huggingface_hub import ModelCardData
 
-    kept = {k: source_meta[k] for k in KEPT_SOURCE_METADATA if source_meta.get(k) not in (None, "", [])}
+    kept = {k: source_meta[k] for k in KEPT_SOURCE_METADATA
+            if source_meta.get(k) not in (None, "", [])}
     if source_repo:
         kept.update(base_model=source_repo, base_model_relation="quantized")
     tags = ["mxfp8", "mxfp8-convert"]
     if facts.laid_out:
         tags += ["flashinfer", facts.backend, "blackwell"]
-        # not transformers (the source's usual value): it would load the laid-out bytes as plain MXFP8
+        # not transformers (the source's usual value): it would load the laid-out bytes as plain
+        # MXFP8
         kept["library_name"] = "mxfp8-convert"
     return ModelCardData(tags=tags, **kept).to_yaml()
 
@@ -199,17 +211,20 @@ def _laid_out_sections(facts: OutputFacts, repo_id: str | None) -> list[str]:
         f'kernel with `backend="{b}"`, so an engine loads them as stored: no re-shuffling or '
         "re-swizzling at start-up.\n",
         "> [!WARNING]\n"
-        "> **This is not a plain MXFP8 checkpoint.** Its weight rows may be shuffled and its scales are "
-        'swizzled, so its `config.json` says `quant_method: "mxfp8_convert"`. Loaded as plain MXFP8 '
-        f"it gives silent garbage; only engines that implement the format of {FORMAT_REF} can run it.\n",
+        "> **This is not a plain MXFP8 checkpoint.** Its weight rows may be shuffled and its "
+        'scales are swizzled, so its `config.json` says `quant_method: "mxfp8_convert"`. '
+        "Loaded as plain MXFP8 it gives silent garbage; "
+        f"only engines that implement the format of {FORMAT_REF} can run it.\n",
         "## Requirements\n",
         _rows([
             ("kernel", f'FlashInfer `mm_mxfp8`, `backend="{b}"`'),
             ("weight layout", f"`{m['weight_layout']}`"),
             ("scale layout", f"`{m['scale_layout']}` (`*.{m.get('scale_suffix')}`, uint8 UE8M0)"),
             ("GPU compute capability", _compute_capabilities(b)),
-            ("FlashInfer", f"`{m.get('flashinfer_layout_version')}` (the layouts are byte-identical to its helpers)"),
-            ("format", f'`quant_method: "{QUANT_METHOD}"`, format version {m.get("format_version")}'),
+            ("FlashInfer", f"`{m.get('flashinfer_layout_version')}` "
+                           "(the layouts are byte-identical to its helpers)"),
+            ("format",
+             f'`quant_method: "{QUANT_METHOD}"`, format version {m.get("format_version")}'),
             ("converted by", f"mxfp8-convert {facts.tool_version}"),
         ]) + "\n",
         "## Loading\n",
@@ -219,13 +234,16 @@ def _laid_out_sections(facts: OutputFacts, repo_id: str | None) -> list[str]:
 
 def _canonical_sections(facts: OutputFacts) -> list[str]:
     return [
-        "Plain MXFP8 in the SGLang/Miles dialect, written by mxfp8-convert with `--backend canonical`: "
-        "e4m3 weights and uint8 UE8M0 scales, one per 1x32 block, in their natural row-major order. "
+        "Plain MXFP8 in the SGLang/Miles dialect, written by mxfp8-convert with "
+        "`--backend canonical`: "
+        "e4m3 weights and uint8 UE8M0 scales, one per 1x32 block, in their natural row-major "
+        "order. "
         "There is no kernel layout: engines that read SGLang MXFP8 load it as is, and "
         "`mxfp8-convert --backend trtllm|cutlass` lays it out for FlashInfer.\n",
         "## Format\n",
         _rows([
-            ("format", f'`quant_method: "{facts.qc.get("quant_method")}"`, `weight_block_size: [1, 32]`'),
+            ("format",
+             f'`quant_method: "{facts.qc.get("quant_method")}"`, `weight_block_size: [1, 32]`'),
             ("scales", f"`*.{CANONICAL_SUFFIX}`, uint8 UE8M0, `[N, K/32]`"),
             ("converted by", f"mxfp8-convert {facts.tool_version}"),
         ]) + "\n",
@@ -250,7 +268,9 @@ def _quantized(errors: dict) -> str | None:
 def _provenance(facts: OutputFacts, source_repo: str | None, source_commit: str | None,
                 command: str) -> str:
     src = facts.qc.get("source") or {}
-    where = f"[`{source_repo}`](https://huggingface.co/{source_repo})" if source_repo else "a local folder"
+    where = "a local folder"
+    if source_repo:
+        where = f"[`{source_repo}`](https://huggingface.co/{source_repo})"
     pairs = [("source", where + (f" at `{source_commit}`" if source_commit else ""))]
     if src.get("dialect"):
         pairs.append(("source dialect", f"`{src['dialect']}`"))
@@ -312,7 +332,8 @@ def make_model_card(
     meta, body = _split_card(source_card) if source_card else ({}, "")
     title = name or (source_repo.split("/")[-1] if source_repo else "Model")
     kind = f"FlashInfer {facts.backend} layout" if facts.laid_out else "plain"
-    parts = [f"---\n{_front_matter(facts, meta, source_repo)}\n---\n{CARD_MARK}\n", f"# {title} (MXFP8, {kind})\n"]
+    parts = [f"---\n{_front_matter(facts, meta, source_repo)}\n---\n{CARD_MARK}\n",
+             f"# {title} (MXFP8, {kind})\n"]
     parts += _laid_out_sections(facts, repo_id) if facts.laid_out else _canonical_sections(facts)
     parts += ["## How it was made\n", _provenance(facts, source_repo, source_commit,
               command or default_command(facts, source_repo, source_commit)) + "\n"]
@@ -321,7 +342,8 @@ def make_model_card(
     return "\n".join(parts)
 
 
-def write_model_card(output_dir: str | Path, source_root: str | Path, *, source_repo: str | None = None,
+def write_model_card(output_dir: str | Path, source_root: str | Path, *,
+                     source_repo: str | None = None,
                      repo_id: str | None = None, command: str | None = None,
                      completion: dict | None = None, mode: int = 0o644) -> tuple[int, str]:
     """Write ``output_dir/README.md`` (replacing the copied source README) from the marker.
@@ -386,7 +408,8 @@ def read_completion_marker(output_dir: str | Path) -> dict:
         raise OutputError(f"{root}: no such folder")
     if not (root / COMPLETE_MARKER).is_file():
         raise OutputError(f"{root}: no {COMPLETE_MARKER}, so not a finished mxfp8-convert output",
-                          hint="convert again; a folder without its completion marker is not a result")
+                          hint="convert again; "
+                          "a folder without its completion marker is not a result")
     return Completion.read(root, error=OutputError).to_dict()
 
 
@@ -407,7 +430,8 @@ def _hub_error(e: Exception, repo_id: str, revision: str | None) -> OutputError:
         return OutputError(f"{repo_id}: HF_HUB_OFFLINE is set, so nothing can be uploaded",
                            hint="unset HF_HUB_OFFLINE to push")
     if isinstance(e, LocalTokenNotFoundError):
-        return OutputError(f"{repo_id}: no Hugging Face token found", hint="set HF_TOKEN or run `hf auth login`")
+        return OutputError(f"{repo_id}: no Hugging Face token found",
+                           hint="set HF_TOKEN or run `hf auth login`")
     if isinstance(e, RepositoryNotFoundError):
         return OutputError(f"{repo_id}: repository not found on the Hub, or no access to it",
                            hint="check the id and that the token can write to it")

@@ -90,7 +90,9 @@ def expert_names(spec: SynthSpec) -> tuple[str, str, str]:
     return ("w1", "w3", "w2") if spec.w123_names else ("gate_proj", "up_proj", "down_proj")
 
 
-def _mlp(p: str, h: int, i: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")) -> list:
+def _mlp(
+    p: str, h: int, i: int, names: tuple[str, str, str] = ("gate_proj", "up_proj", "down_proj")
+) -> list:
     gate, up, down = names
     return [(f"{p}.{gate}", i, h), (f"{p}.{up}", i, h), (f"{p}.{down}", h, i)]
 
@@ -113,7 +115,8 @@ def quantization_config(dialect: str) -> tuple[dict | None, dict | None]:
     section 4)."""
     if dialect == "sglang_mxfp8":
         return {"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32],
-                "scale_fmt": "ue8m0", "activation_scheme": "dynamic", "ignored_layers": ["lm_head"]}, None
+                "scale_fmt": "ue8m0", "activation_scheme": "dynamic",
+                "ignored_layers": ["lm_head"]}, None
     if dialect == "compressed_tensors_mxfp8":
         return {"quant_method": "compressed-tensors", "format": "mxfp8-quantized",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": {
@@ -125,20 +128,23 @@ def quantization_config(dialect: str) -> tuple[dict | None, dict | None]:
     if dialect == "modelopt_mxfp8":
         return ({"quant_method": "modelopt", "quant_algo": "MXFP8", "ignore": ["lm_head"]},
                 {"producer": {"name": "modelopt", "version": "0.37.0"},
-                 "quantization": {"quant_algo": "MXFP8", "group_size": 32, "exclude_modules": ["lm_head"]}})
+                 "quantization": {"quant_algo": "MXFP8", "group_size": 32,
+                                  "exclude_modules": ["lm_head"]}})
     if dialect == "block_fp8":  # DeepSeek-V3 style
         return {"quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
                 "activation_scheme": "dynamic", "scale_fmt": "ue8m0"}, None
     if dialect in ("compressed_tensors_block_fp8", "compressed_tensors_fp8"):
         strategy = "block" if dialect.endswith("block_fp8") else "channel"
-        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True, "dynamic": False}
+        weights = {"num_bits": 8, "type": "float", "strategy": strategy, "symmetric": True,
+                   "dynamic": False}
         if strategy == "block":
             weights["block_structure"] = [128, 128]
         return {"quant_method": "compressed-tensors", "format": "float-quantized",
                 "config_groups": {"group_0": {"targets": ["Linear"], "weights": weights}},
                 "ignore": ["lm_head"]}, None
     if dialect == "fp8":
-        return {"quant_method": "fp8", "activation_scheme": "static", "ignored_layers": ["lm_head"]}, None
+        return {"quant_method": "fp8", "activation_scheme": "static",
+                "ignored_layers": ["lm_head"]}, None
     if dialect == "dense":
         return None, None
     raise ValueError(f"unknown dialect {dialect!r}")
@@ -146,8 +152,9 @@ def quantization_config(dialect: str) -> tuple[dict | None, dict | None]:
 
 def model_config(spec: SynthSpec) -> dict:
     q, _ = quantization_config(spec.dialect)
-    moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "num_experts": spec.experts,
-           "num_experts_per_tok": min(2, spec.experts), "moe_intermediate_size": spec.moe_intermediate,
+    moe = {"architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe",
+           "num_experts": spec.experts, "num_experts_per_tok": min(2, spec.experts),
+           "moe_intermediate_size": spec.moe_intermediate,
            "shared_expert_intermediate_size": spec.intermediate if spec.shared_expert else 0}
     return {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
@@ -163,9 +170,8 @@ def model_config(spec: SynthSpec) -> dict:
 def make_tensors(spec: SynthSpec) -> dict[str, torch.Tensor]:
     gen = torch.Generator().manual_seed(spec.seed)
     suffix = scale_suffix(spec.dialect)
-    t: dict[str, torch.Tensor] = {
-        "model.embed_tokens.weight": torch.randn(spec.vocab, spec.hidden, generator=gen).to(torch.bfloat16),
-    }
+    embed = torch.randn(spec.vocab, spec.hidden, generator=gen).to(torch.bfloat16)
+    t: dict[str, torch.Tensor] = {"model.embed_tokens.weight": embed}
     for layer in range(spec.layers):
         for norm in ("input_layernorm", "post_attention_layernorm"):
             t[f"model.layers.{layer}.{norm}.weight"] = torch.ones(spec.hidden, dtype=torch.bfloat16)
@@ -190,7 +196,8 @@ def make_tensors(spec: SynthSpec) -> dict[str, torch.Tensor]:
         if spec.dialect in ("fp8", "compressed_tensors_fp8"):
             t[f"{module}.input_scale"] = torch.tensor(0.0125, dtype=torch.float32)
     t["model.norm.weight"] = torch.ones(spec.hidden, dtype=torch.bfloat16)
-    t["lm_head.weight"] = (torch.randn(spec.vocab, spec.hidden, generator=gen) * 0.02).to(torch.bfloat16)
+    head = torch.randn(spec.vocab, spec.hidden, generator=gen) * 0.02
+    t["lm_head.weight"] = head.to(torch.bfloat16)
     return t
 
 
@@ -206,7 +213,8 @@ def shard_of(name: str, spec: SynthSpec) -> int:
     if name.startswith("model.layers.0.self_attn.o_proj.weight_scale"):
         return spec.shards - 1
     _, up, down = expert_names(spec)
-    if name.startswith((f"model.layers.0.mlp.experts.1.{up}.", f"model.layers.0.mlp.experts.1.{down}.weight_")):
+    expert1 = "model.layers.0.mlp.experts.1"
+    if name.startswith((f"{expert1}.{up}.", f"{expert1}.{down}.weight_")):
         return spec.shards - 1
     if ".mlp.experts." in name:
         layer, expert = int(name.split(".")[2]), int(name.split(".")[5])
@@ -228,9 +236,13 @@ def write_checkpoint(path: str | Path, spec: SynthSpec = SynthSpec()) -> Path:
     if hfq is not None:
         (path / "hf_quant_config.json").write_text(json.dumps(hfq, indent=2))
     (path / "generation_config.json").write_text(json.dumps({"bos_token_id": 1, "eos_token_id": 2}))
-    (path / "tokenizer_config.json").write_text(json.dumps({"model_max_length": 4096, "chat_template": "{{ messages }}"}))
-    (path / "tokenizer.json").write_text(json.dumps({"version": "1.0", "model": {"type": "BPE", "vocab": {}}}))
-    (path / "README.md").write_text("# synthetic model\n\nMade by mxfp8_convert.synth for tests and demos.\n")
+    tokenizer_config = {"model_max_length": 4096, "chat_template": "{{ messages }}"}
+    (path / "tokenizer_config.json").write_text(json.dumps(tokenizer_config))
+    tokenizer = {"version": "1.0", "model": {"type": "BPE", "vocab": {}}}
+    (path / "tokenizer.json").write_text(json.dumps(tokenizer))
+    (path / "README.md").write_text(
+        "# synthetic model\n\nMade by mxfp8_convert.synth for tests and demos.\n"
+    )
     (path / "LICENSE").write_text("Apache-2.0\n")
     return path
 
