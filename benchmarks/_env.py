@@ -19,8 +19,9 @@ def banner() -> str:
         fi = "not installed"
     gpu = torch.cuda.get_device_name() if torch.cuda.is_available() else "none"
     cpu = platform.processor() or platform.machine()
-    return (f"date={time.strftime('%Y-%m-%d')} host={platform.node()} cpu={cpu} cores={os.cpu_count()} "
-            f"python={platform.python_version()} torch={torch.__version__} flashinfer={fi} gpu={gpu}")
+    return (f"date={time.strftime('%Y-%m-%d')} host={platform.node()} cpu={cpu} "
+            f"cores={os.cpu_count()} python={platform.python_version()} torch={torch.__version__} "
+            f"flashinfer={fi} gpu={gpu}")
 
 
 def median_time(fn, *, repeat: int = 5, warmup: int = 1) -> float:

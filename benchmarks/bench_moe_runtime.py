@@ -1,7 +1,9 @@
 """Fused MoE on Hopper (triton engine): time and error at DeepSeek-V3 expert sizes.
 
-    python3 benchmarks/bench_moe_runtime.py --out DIR          # H200: H=7168, I=2048, E=256, top-8
-    python3 benchmarks/bench_moe_runtime.py --out DIR --tiny   # CPU, Triton interpreter, small shapes
+    # H200: H=7168, I=2048, E=256, top-8
+    python3 benchmarks/bench_moe_runtime.py --out DIR
+    # CPU, Triton interpreter, small shapes
+    python3 benchmarks/bench_moe_runtime.py --out DIR --tiny
 
 Self-contained (torch + triton + this repo; no FlashInfer, no pytest). Writes ``DIR/bench_moe.json``
 (after every measurement, so a crash keeps what was done) and prints a table. Exit code 0 when
@@ -10,7 +12,8 @@ every measurement ran and met its error bound, 1 otherwise.
 What it does, per token count T (default 128 and 512):
 
 1. Random MXFP8 experts built on the GPU from random canonical bytes (e4m3 values, UE8M0 codes
-   114..117, i.e. weights ~N(0, 0.02)-sized), laid out with ``layouts/moe.py`` (11.3 GB at full size).
+   114..117, i.e. weights ~N(0, 0.02)-sized), laid out with ``layouts/moe.py`` (11.3 GB at full
+   size).
 2. Random routing: softmax of random logits, top-k, renormalized (Qwen3/DeepSeek style).
 3. Each triton method (``loop``: the dense kernel per expert; ``grouped``: one launch per GEMM):
    CUDA-event time of whole calls (host sync for expert counts included), median of ``--repeat``
@@ -59,11 +62,14 @@ HBM_TBPS = 4.3  # measured copy rate on the H200 (docs/LAYOUTS.md section 7), fo
 def environment(device: torch.device) -> dict:
     import triton
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-           "interpreter": os.environ.get("TRITON_INTERPRET") == "1", "date": time.strftime("%Y-%m-%d %H:%M:%S")}
+    env = {"python": platform.python_version(), "torch": torch.__version__,
+           "triton": triton.__version__,
+           "interpreter": os.environ.get("TRITON_INTERPRET") == "1",
+           "date": time.strftime("%Y-%m-%d %H:%M:%S")}
     if device.type == "cuda":
         props = torch.cuda.get_device_properties(device)
-        env.update(gpu=torch.cuda.get_device_name(device), capability=list(torch.cuda.get_device_capability(device)),
+        env.update(gpu=torch.cuda.get_device_name(device),
+                   capability=list(torch.cuda.get_device_capability(device)),
                    sms=props.multi_processor_count, gpu_mem_gb=round(props.total_memory / 2**30, 1))
     return env
 
@@ -76,7 +82,8 @@ def random_canonical(e: int, rows: int, k: int, device, gen: torch.Generator, ch
         e1 = min(e, e0 + chunk)
         v = torch.randn((e1 - e0, rows, k), device=device, generator=gen) * 96
         q[e0:e1] = v.clamp_(-448, 448).to(torch.float8_e4m3fn)
-        s[e0:e1] = torch.randint(114, 118, (e1 - e0, rows, k // 32), device=device, generator=gen, dtype=torch.uint8)
+        s[e0:e1] = torch.randint(114, 118, (e1 - e0, rows, k // 32), device=device, generator=gen,
+                                 dtype=torch.uint8)
         del v
     return q, s
 
@@ -84,9 +91,11 @@ def random_canonical(e: int, rows: int, k: int, device, gen: torch.Generator, ch
 def build_experts(e: int, h: int, i: int, device, seed: int = 0):
     """Random laid-out experts and the canonical bytes they were laid out from."""
     gen = torch.Generator(device=device).manual_seed(seed)
-    canon = {"up": random_canonical(e, i, h, device, gen), "gate": random_canonical(e, i, h, device, gen),
+    canon = {"up": random_canonical(e, i, h, device, gen),
+             "gate": random_canonical(e, i, h, device, gen),
              "down": random_canonical(e, h, i, device, gen)}
-    experts = MXFP8MoEWeights.from_canonical(canon["up"], canon["gate"], canon["down"], "bench.experts")
+    experts = MXFP8MoEWeights.from_canonical(canon["up"], canon["gate"], canon["down"],
+                                             "bench.experts")
     return experts, canon
 
 
@@ -142,26 +151,34 @@ def write(out_dir: Path, report: dict) -> None:
 def table(report: dict) -> str:
     cfg = report["config"]
     lines = [f"env: {report['env']}",
-             f"MoE: E={cfg['experts']} H={cfg['hidden']} I={cfg['intermediate']} top-{cfg['topk']}, "
-             f"expert bytes {cfg['expert_mb']:.1f} MB, build {report.get('build_s', float('nan')):.1f} s",
-             "| T | method | active experts | rows/expert (mean, max) | median ms | min ms | floor ms | TB/s | rel err staged | rel err oracle | ok |",
+             f"MoE: E={cfg['experts']} H={cfg['hidden']} I={cfg['intermediate']} "
+             f"top-{cfg['topk']}, expert bytes {cfg['expert_mb']:.1f} MB, "
+             f"build {report.get('build_s', float('nan')):.1f} s",
+             "| T | method | active experts | rows/expert (mean, max) | median ms | min ms "
+             "| floor ms | TB/s | rel err staged | rel err oracle | ok |",
              "|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in report["results"]:
         if r.get("error"):
-            lines.append(f"| {r['tokens']} | {r['method']} | | | | | | | | | FAILED: {r['error']} |")
+            lines.append(f"| {r['tokens']} | {r['method']} | | | | | | | | "
+                         f"| FAILED: {r['error']} |")
             continue
         lines.append(
-            f"| {r['tokens']} | {r['method']} | {r['active_experts']} | {r['rows_mean']:.1f}, {r['rows_max']} | "
-            f"{r['time_ms_median']:.3f} | {r['time_ms_min']:.3f} | {r['floor_ms']:.3f} | {r['tbps']:.2f} | "
-            f"{r['rel_err_staged']:.2e} | {r['rel_err_oracle']:.2e} | {'yes' if r['ok'] else 'NO'} |")
+            f"| {r['tokens']} | {r['method']} | {r['active_experts']} "
+            f"| {r['rows_mean']:.1f}, {r['rows_max']} | "
+            f"{r['time_ms_median']:.3f} | {r['time_ms_min']:.3f} | {r['floor_ms']:.3f} "
+            f"| {r['tbps']:.2f} | "
+            f"{r['rel_err_staged']:.2e} | {r['rel_err_oracle']:.2e} "
+            f"| {'yes' if r['ok'] else 'NO'} |")
     return "\n".join(lines)
 
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     p.add_argument("--out", type=Path, required=True, help="folder for bench_moe.json")
-    p.add_argument("--tiny", action="store_true", help="CPU, TRITON_INTERPRET=1, small shapes (a smoke test)")
-    p.add_argument("--tokens", type=int, nargs="+", help="token counts (default 128 512; tiny: 5 19)")
+    p.add_argument("--tiny", action="store_true",
+                   help="CPU, TRITON_INTERPRET=1, small shapes (a smoke test)")
+    p.add_argument("--tokens", type=int, nargs="+",
+                   help="token counts (default 128 512; tiny: 5 19)")
     p.add_argument("--methods", nargs="+", default=list(TRITON_METHODS), choices=TRITON_METHODS)
     p.add_argument("--experts", type=int)
     p.add_argument("--hidden", type=int)
@@ -182,8 +199,10 @@ def main(argv=None) -> int:
         import triton
 
         if tuple(int(v) for v in triton.__version__.split(".")[:2]) < (3, 9):
-            print(f"--tiny runs Triton's interpreter, which needs Triton >= 3.9 here (found {triton.__version__}: "
-                  "its interpreter cannot loop to a bound passed at run time); compiled GPU runs are unaffected",
+            print(f"--tiny runs Triton's interpreter, which needs Triton >= 3.9 here "
+                  f"(found {triton.__version__}: "
+                  "its interpreter cannot loop to a bound passed at run time); "
+                  "compiled GPU runs are unaffected",
                   file=sys.stderr)
             return 2
     if device.type == "cuda" and not torch.cuda.is_available():
@@ -193,9 +212,10 @@ def main(argv=None) -> int:
     repeat = args.repeat if args.repeat is not None else (1 if args.tiny else 10)
     e, h, i, k = shapes["experts"], shapes["hidden"], shapes["intermediate"], shapes["topk"]
     expert_bytes = (3 * h * i) * (1 + 1 / 32)  # e4m3 weights + one UE8M0 byte per 32
-    report = {"env": environment(device), "config": {**shapes, "tokens": list(tokens), "methods": args.methods,
-              "warmup": warmup, "repeat": repeat, "seed": args.seed, "expert_mb": expert_bytes / 1e6,
-              "bounds": BOUNDS}, "results": []}
+    config = {**shapes, "tokens": list(tokens), "methods": args.methods,
+              "warmup": warmup, "repeat": repeat, "seed": args.seed,
+              "expert_mb": expert_bytes / 1e6, "bounds": BOUNDS}
+    report = {"env": environment(device), "config": config, "results": []}
     t_start = time.perf_counter()
     ok = True
     try:
@@ -215,14 +235,17 @@ def main(argv=None) -> int:
         x, ids, w = random_routing(t, e, k, h, device, args.seed + t)
         counts = torch.bincount(ids.reshape(-1), minlength=e)
         active = int((counts > 0).sum())
-        base = {"tokens": t, "active_experts": active, "rows_mean": float(counts[counts > 0].float().mean()),
+        base = {"tokens": t, "active_experts": active,
+                "rows_mean": float(counts[counts > 0].float().mean()),
                 "rows_max": int(counts.max()), "weight_gb": active * expert_bytes / 1e9}
         try:
             oracle = moe_from_dequantized(x, ids, w, mats, e, out_dtype=torch.float64)
-            staged = moe_from_dequantized(x, ids, w, mats, e, bf16_gemm_outputs=True, out_dtype=torch.float64)
+            staged = moe_from_dequantized(x, ids, w, mats, e, bf16_gemm_outputs=True,
+                                          out_dtype=torch.float64)
         except Exception as exc:  # noqa: BLE001
             ok = False
-            report["results"].append({**base, "method": "oracle", "error": f"{type(exc).__name__}: {exc}",
+            report["results"].append({**base, "method": "oracle",
+                                      "error": f"{type(exc).__name__}: {exc}",
                                       "traceback": traceback.format_exc()})
             write(args.out, report)
             continue
@@ -234,15 +257,18 @@ def main(argv=None) -> int:
 
                 out = call()
                 times = time_calls(call, device, warmup, repeat)
-                r.update(time_ms_median=statistics.median(times), time_ms_min=min(times), times_ms=times,
+                r.update(time_ms_median=statistics.median(times), time_ms_min=min(times),
+                         times_ms=times,
                          floor_ms=base["weight_gb"] / HBM_TBPS, nan=int(out.isnan().sum()),
                          rel_err_staged=rel(out, staged), rel_err_oracle=rel(out, oracle),
                          max_abs_err_oracle=float((out.double() - oracle).abs().max()),
-                         frac_equal_staged_bf16=float((out == staged.to(torch.bfloat16)).float().mean()))
+                         frac_equal_staged_bf16=float(
+                             (out == staged.to(torch.bfloat16)).float().mean()))
                 r["tbps"] = base["weight_gb"] / r["time_ms_median"]
                 r["ok"] = r["nan"] == 0 and all(r[key] <= bound for key, bound in BOUNDS.items())
             except Exception as exc:  # noqa: BLE001 - record and go on with the next measurement
-                r.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(), ok=False)
+                r.update(error=f"{type(exc).__name__}: {exc}", traceback=traceback.format_exc(),
+                         ok=False)
                 print(r["traceback"], file=sys.stderr)
             ok &= bool(r["ok"])
             report["results"].append(r)
