@@ -142,7 +142,8 @@ def _dup_key_header(src: Path, outside: Path) -> None:
 
 def _dup_key_index(src: Path, outside: Path) -> None:
     text = (src / INDEX).read_text()
-    (src / INDEX).write_text(text.replace('"weight_map": {', f'"weight_map": {{"{EMBED}": "{SHARD1}", ', 1))
+    twice = f'"weight_map": {{"{EMBED}": "{SHARD1}", '
+    (src / INDEX).write_text(text.replace('"weight_map": {', twice, 1))
 
 
 def _same_tensor_in_two_shards(src: Path, outside: Path) -> None:
@@ -167,8 +168,21 @@ def _shard_via(rel: str):
     def mutate(src: Path, outside: Path) -> None:
         shutil.move(src / SHARD1, outside / SHARD1)
         target = rel.format(outside=outside)
-        _weight_map(lambda wm: wm.update({k: target for k, v in wm.items() if v == SHARD1}))(src, outside)
+        def repoint(wm: dict) -> None:
+            wm.update({k: target for k, v in wm.items() if v == SHARD1})
+
+        _weight_map(repoint)(src, outside)
     return mutate
+
+
+def _put(name: str, tensor: torch.Tensor):
+    """Store ``tensor`` as ``name`` in SHARD1 (replacing the one there, if any)."""
+    return _tensors(lambda t: t.update({name: (SHARD1, tensor)}))
+
+
+def _shift_offsets(h: dict, by: int) -> None:
+    """Move the last tensor of SHARD1's header ``by`` bytes further into the file."""
+    h[LAST_IN_SHARD1].update(data_offsets=[o + by for o in h[LAST_IN_SHARD1]["data_offsets"]])
 
 
 def _mkfifo(p: Path, outside: Path) -> None:
@@ -190,7 +204,8 @@ _BIG_INT = b"1" * 5000  # Python refuses to parse > 4300 digits (ValueError, not
 # (id, mutate, texts the Error line must hold)
 HOSTILE = [
     # --- truncated shards and broken length prefixes
-    ("empty-shard", _bytes(SHARD2, b""), [f"{SHARD2}: file is 0 bytes, too short to be safetensors"]),
+    ("empty-shard", _bytes(SHARD2, b""),
+     [f"{SHARD2}: file is 0 bytes, too short to be safetensors"]),
     ("7-byte-shard", _cut(SHARD2, lambda d: 7), [f"{SHARD2}: file is 7 bytes, too short"]),
     ("cut-inside-header", _cut(SHARD2, lambda d: 8 + struct.unpack("<Q", d[:8])[0] // 2),
      [f"{SHARD2}: header length", "points past the end of the"]),
@@ -201,121 +216,160 @@ HOSTILE = [
     ("length-zero", _prefix(SHARD2, 0), [f"{SHARD2}: header is not valid JSON"]),
     ("length-short", _prefix(SHARD2, 5), [f"{SHARD2}: header is not valid JSON"]),
     # --- headers that are not (usable) JSON
-    ("header-garbage", _raw_header(SHARD2, b"\xff\xfe" * 64), [f"{SHARD2}: header is not valid JSON"]),
+    ("header-garbage", _raw_header(SHARD2, b"\xff\xfe" * 64),
+     [f"{SHARD2}: header is not valid JSON"]),
     ("header-array", _raw_header(SHARD2, b"[1, 2]"), [f"{SHARD2}: header is not a JSON object"]),
     ("header-string", _raw_header(SHARD2, b'"x"'), [f"{SHARD2}: header is not a JSON object"]),
-    ("header-5000-digit-int", _raw_header(SHARD2, b'{"a": {"dtype": "U8", "shape": [' + _BIG_INT + b"]}}"),
+    ("header-5000-digit-int",
+     _raw_header(SHARD2, b'{"a": {"dtype": "U8", "shape": [' + _BIG_INT + b"]}}"),
      [f"{SHARD2}: header is not valid JSON"]),
     ("header-nested-100k", _raw_header(SHARD2, b'{"a": ' + _deep(100_000) + b"}"),
      [f"{SHARD2}: header is not valid JSON"]),
-    ("header-tensor-twice", _dup_key_header, [f"{SHARD1}: tensor '{EMBED}' is declared twice in the header"]),
+    ("header-tensor-twice", _dup_key_header,
+     [f"{SHARD1}: tensor '{EMBED}' is declared twice in the header"]),
     ("header-metadata-not-strings", _header(SHARD2, lambda h: h.update({"__metadata__": {"a": 1}})),
      [f"{SHARD2}: __metadata__ must map strings to strings"]),
     # --- entries
     ("entry-not-object", _header(SHARD1, lambda h: h.update({EMBED: 5})),
      [f"{SHARD1}: tensor '{EMBED}': header entry is not an object"]),
-    ("entry-key-twice", _raw_header(SHARD2, b'{"x": {"dtype": "U8", "dtype": "U8", "shape": [0], "data_offsets": [0, 0]}}'),
+    ("entry-key-twice",
+     _raw_header(SHARD2, b'{"x": {"dtype": "U8", "dtype": "U8", "shape": [0], '
+                         b'"data_offsets": [0, 0]}}'),
      [f"{SHARD2}: tensor 'x': key 'dtype' appears twice"]),
     ("dtype-unknown", _entry(EMBED, dtype="F4"), [f"tensor '{EMBED}': unknown dtype 'F4'"]),
     ("dtype-list", _entry(EMBED, dtype=["BF16"]), [f"tensor '{EMBED}': unknown dtype ['BF16']"]),
     ("dtype-object", _entry(EMBED, dtype={"a": 1}), [f"tensor '{EMBED}': unknown dtype"]),
-    ("dtype-missing", _header(SHARD1, lambda h: h[EMBED].pop("dtype")), [f"tensor '{EMBED}': unknown dtype None"]),
+    ("dtype-missing", _header(SHARD1, lambda h: h[EMBED].pop("dtype")),
+     [f"tensor '{EMBED}': unknown dtype None"]),
     ("name-with-newline", _header(SHARD1, lambda h: h.update({"a\nb": {"dtype": "??"}})),
      [f"{SHARD1}: tensor 'a\\nb': unknown dtype '??'"]),
-    ("shape-negative", _entry(EMBED, shape=[-128, -128]), [f"tensor '{EMBED}': invalid shape [-128, -128]"]),
+    ("shape-negative", _entry(EMBED, shape=[-128, -128]),
+     [f"tensor '{EMBED}': invalid shape [-128, -128]"]),
     ("shape-float", _entry(EMBED, shape=[128.0, 128]), [f"tensor '{EMBED}': invalid shape"]),
     ("shape-bool", _entry(EMBED, shape=[True, 128]), [f"tensor '{EMBED}': invalid shape"]),
     ("shape-string", _entry(EMBED, shape="128x128"), [f"tensor '{EMBED}': invalid shape"]),
-    ("shape-2**60", _entry(EMBED, shape=[2**60]), [f"tensor '{EMBED}': invalid shape [1152921504606846976]"]),
+    ("shape-2**60", _entry(EMBED, shape=[2**60]),
+     [f"tensor '{EMBED}': invalid shape [1152921504606846976]"]),
     # declared enormous: rejected from the header, before any allocation (2**80 bytes)
     ("shape-2**40x2**40", _entry(EMBED, shape=[2**40, 2**40]),
      [f"tensor '{EMBED}': data_offsets span 32768 bytes but BF16 [1099511627776, 1099511627776] "
       "needs 2417851639229258349412352"]),
-    ("shape-2**40x2**40-offsets-agree", _entry(EMBED, dtype="U8", shape=[2**40, 2**40], data_offsets=[0, 2**80]),
+    ("shape-2**40x2**40-offsets-agree",
+     _entry(EMBED, dtype="U8", shape=[2**40, 2**40], data_offsets=[0, 2**80]),
      [f"tensor '{EMBED}': data ends at byte", "past the end of the"]),
-    ("offsets-reversed", _entry(EMBED, data_offsets=[32768, 0]), [f"tensor '{EMBED}': invalid data_offsets [32768, 0]"]),
-    ("offsets-three", _entry(EMBED, data_offsets=[0, 1, 2]), [f"tensor '{EMBED}': invalid data_offsets"]),
-    ("offsets-negative", _entry(EMBED, data_offsets=[-1, 32767]), [f"tensor '{EMBED}': invalid data_offsets"]),
-    ("offsets-float", _entry(EMBED, data_offsets=[0.0, 32768.0]), [f"tensor '{EMBED}': invalid data_offsets"]),
+    ("offsets-reversed", _entry(EMBED, data_offsets=[32768, 0]),
+     [f"tensor '{EMBED}': invalid data_offsets [32768, 0]"]),
+    ("offsets-three", _entry(EMBED, data_offsets=[0, 1, 2]),
+     [f"tensor '{EMBED}': invalid data_offsets"]),
+    ("offsets-negative", _entry(EMBED, data_offsets=[-1, 32767]),
+     [f"tensor '{EMBED}': invalid data_offsets"]),
+    ("offsets-float", _entry(EMBED, data_offsets=[0.0, 32768.0]),
+     [f"tensor '{EMBED}': invalid data_offsets"]),
     ("offsets-not-dtype-x-shape", _entry(EMBED, dtype="F32"),
      [f"tensor '{EMBED}': data_offsets span 32768 bytes but F32 [128, 128] needs 65536"]),
-    ("offsets-overlap", _header(SHARD1, lambda h: h[NORM_B].update(data_offsets=h[NORM_A]["data_offsets"])),
+    ("offsets-overlap",
+     _header(SHARD1, lambda h: h[NORM_B].update(data_offsets=h[NORM_A]["data_offsets"])),
      [f"{SHARD1}: tensor '{NORM_B}': data_offsets overlaps the previous tensor"]),
     ("offsets-hole", _header(SHARD1, lambda h: h.pop(EMBED)),
      [f"{SHARD1}: tensor '{NORM_A}': data_offsets leaves a hole before it"]),
     ("offsets-out-of-bounds",
-     _header(SHARD1, lambda h: h[LAST_IN_SHARD1].update(data_offsets=[o + 512 for o in h[LAST_IN_SHARD1]["data_offsets"]])),
+     _header(SHARD1, lambda h: _shift_offsets(h, 512)),
      [f"tensor '{LAST_IN_SHARD1}': data ends at byte", "past the end of the", "(truncated?)"]),
-    ("offsets-2**100", _entry(EMBED, data_offsets=[2**100, 2**100 + 32768]), [f"tensor '{EMBED}': data ends at byte"]),
+    ("offsets-2**100", _entry(EMBED, data_offsets=[2**100, 2**100 + 32768]),
+     [f"tensor '{EMBED}': data ends at byte"]),
     # --- shards that are not files, or lie elsewhere
-    ("shard-is-folder", _replace(SHARD2, lambda p, o: p.mkdir()), [f"{SHARD2}: is a directory, not a safetensors file"]),
+    ("shard-is-folder", _replace(SHARD2, lambda p, o: p.mkdir()),
+     [f"{SHARD2}: is a directory, not a safetensors file"]),
     ("shard-is-fifo", _replace(SHARD2, _mkfifo), [f"{SHARD2}: is not a regular file"]),
-    ("shard-link-loop", _replace(SHARD2, _link_to("{name}")), [f"shard '{SHARD2}' cannot be resolved"]),
+    ("shard-link-loop", _replace(SHARD2, _link_to("{name}")),
+     [f"shard '{SHARD2}' cannot be resolved"]),
     ("shard-link-outside", _shard_link_outside,
      [f"shard '{SHARD1}' is a link that leads outside the model folder"]),
-    ("shard-link-dev-zero", _replace(SHARD2, _link_to("/dev/zero")), [f"shard '{SHARD2}' is a link that leads outside"]),
+    ("shard-link-dev-zero", _replace(SHARD2, _link_to("/dev/zero")),
+     [f"shard '{SHARD2}' is a link that leads outside"]),
     # --- the index
-    ("index-array", _bytes(INDEX, b"[]"), [f"{INDEX}: 'weight_map' must be a non-empty object of name -> file"]),
-    ("index-weight-map-empty", _json(INDEX, lambda i: i.update(weight_map={})), [f"{INDEX}: 'weight_map' must be"]),
-    ("index-weight-map-list", _json(INDEX, lambda i: i.update(weight_map=[SHARD1])), [f"{INDEX}: 'weight_map' must be"]),
-    ("index-file-not-string", _weight_map(lambda wm: wm.update({EMBED: 1})), [f"{INDEX}: 'weight_map' must be"]),
-    ("index-tensor-twice", _dup_key_index, [f"{INDEX}: tensor '{EMBED}' is listed twice in weight_map"]),
+    ("index-array", _bytes(INDEX, b"[]"),
+     [f"{INDEX}: 'weight_map' must be a non-empty object of name -> file"]),
+    ("index-weight-map-empty", _json(INDEX, lambda i: i.update(weight_map={})),
+     [f"{INDEX}: 'weight_map' must be"]),
+    ("index-weight-map-list", _json(INDEX, lambda i: i.update(weight_map=[SHARD1])),
+     [f"{INDEX}: 'weight_map' must be"]),
+    ("index-file-not-string", _weight_map(lambda wm: wm.update({EMBED: 1})),
+     [f"{INDEX}: 'weight_map' must be"]),
+    ("index-tensor-twice", _dup_key_index,
+     [f"{INDEX}: tensor '{EMBED}' is listed twice in weight_map"]),
     ("index-wrong-shard", _weight_map(lambda wm: wm.update({EMBED: SHARD2})),
      [f"{INDEX}: tensor '{EMBED}' is listed in {SHARD2} but stored in {SHARD1}"]),
-    ("index-forgets-a-tensor", _weight_map(lambda wm: wm.pop(EMBED)), [f"{INDEX}: tensor '{EMBED}' of {SHARD1} is not in weight_map"]),
-    ("index-ghost-tensor", _weight_map(lambda wm: wm.update({"ghost": SHARD1})), [f"{INDEX}: tensor 'ghost' is not in {SHARD1}"]),
+    ("index-forgets-a-tensor", _weight_map(lambda wm: wm.pop(EMBED)),
+     [f"{INDEX}: tensor '{EMBED}' of {SHARD1} is not in weight_map"]),
+    ("index-ghost-tensor", _weight_map(lambda wm: wm.update({"ghost": SHARD1})),
+     [f"{INDEX}: tensor 'ghost' is not in {SHARD1}"]),
     ("same-tensor-in-two-shards", _same_tensor_in_two_shards,
      [f"tensor '{NORM_A}' is stored twice: in {SHARD1} and {SHARD2}"]),
     ("index-dotdot", _shard_via(f"../outside/{SHARD1}"),
      [f"{INDEX}: shard '../outside/{SHARD1}' is not a path inside the model folder"]),
-    ("index-absolute", _shard_via("{outside}/" + SHARD1), [f"{INDEX}: shard '/", "is not a path inside the model folder"]),
+    ("index-absolute", _shard_via("{outside}/" + SHARD1),
+     [f"{INDEX}: shard '/", "is not a path inside the model folder"]),
     ("index-dot-slash", _weight_map(lambda wm: wm.update({EMBED: "./" + SHARD1})),
      [f"{INDEX}: shard './{SHARD1}' is not a path inside the model folder"]),
     ("index-nul", _weight_map(lambda wm: wm.update({EMBED: "a\0.safetensors"})),
      [f"{INDEX}: shard 'a\\x00.safetensors' is not a path inside"]),
     ("index-names-config", _weight_map(lambda wm: wm.update({EMBED: "config.json"})),
      [f"{INDEX}: weight_map names 'config.json', which is not a .safetensors file"]),
-    ("index-5000-digit-int", _bytes(INDEX, b'{"weight_map": {}, "metadata": {"total_size": ' + _BIG_INT + b"}}"),
+    ("index-5000-digit-int",
+     _bytes(INDEX, b'{"weight_map": {}, "metadata": {"total_size": ' + _BIG_INT + b"}}"),
      [f"{INDEX}: not valid JSON"]),
     ("index-not-utf8", _bytes(INDEX, b'{"weight_map": "\xff"}'), [f"{INDEX}: not valid JSON"]),
     ("index-nested-40", _json(INDEX, lambda i: i.update(metadata=json.loads(_deep(40)))),
      [f"{INDEX}: nested more than 32 levels deep"]),
     ("index-is-folder", _replace(INDEX, lambda p, o: p.mkdir()), [f"{INDEX}: is a directory"]),
-    ("index-too-large", _sparse(INDEX, 100 * 2**20 + 1), [f"{INDEX}: 104857601 bytes is too large"]),
+    ("index-too-large", _sparse(INDEX, 100 * 2**20 + 1),
+     [f"{INDEX}: 104857601 bytes is too large"]),
     ("index-link-outside", _replace(INDEX, _link_to("{outside}/secret.txt")),
      [f"file '{INDEX}' is a link that leads outside the model folder"]),
     # --- config.json / hf_quant_config.json
-    ("config-not-json", _bytes("config.json", b"{'quant_method': 'mxfp8'}"), ["config.json: not valid JSON"]),
+    ("config-not-json", _bytes("config.json", b"{'quant_method': 'mxfp8'}"),
+     ["config.json: not valid JSON"]),
     ("config-array", _bytes("config.json", b"[]"), ["config.json: not a JSON object"]),
-    ("config-5000-digit-int", _bytes("config.json", b'{"vocab_size": ' + _BIG_INT + b"}"), ["config.json: not valid JSON"]),
-    ("config-not-utf8", _bytes("config.json", b'{"a": "\xc3\x28"}'), ["config.json: not valid JSON"]),
+    ("config-5000-digit-int", _bytes("config.json", b'{"vocab_size": ' + _BIG_INT + b"}"),
+     ["config.json: not valid JSON"]),
+    ("config-not-utf8", _bytes("config.json", b'{"a": "\xc3\x28"}'),
+     ["config.json: not valid JSON"]),
     ("config-nested-40", _json("config.json", lambda c: c.update(x=json.loads(_deep(40)))),
      ["config.json: nested more than 32 levels deep"]),
     ("config-nested-100k", _bytes("config.json", _deep(100_000)), ["config.json: not valid JSON"]),
-    ("config-too-large", _sparse("config.json", 16 * 2**20 + 1), ["config.json: 16777217 bytes is too large"]),
+    ("config-too-large", _sparse("config.json", 16 * 2**20 + 1),
+     ["config.json: 16777217 bytes is too large"]),
     ("config-is-fifo", _replace("config.json", _mkfifo), ["config.json: is not a regular file"]),
     ("config-link-outside", _replace("config.json", _link_to("{outside}/secret.txt")),
      ["file 'config.json' is a link that leads outside the model folder"]),
-    ("config-dangling-link", _replace("config.json", _link_to("missing.json")), ["config.json: file not found"]),
-    ("hf-quant-config-not-json", _bytes("hf_quant_config.json", b"\x00\x01"), ["hf_quant_config.json: not valid JSON"]),
+    ("config-dangling-link", _replace("config.json", _link_to("missing.json")),
+     ["config.json: file not found"]),
+    ("hf-quant-config-not-json", _bytes("hf_quant_config.json", b"\x00\x01"),
+     ["hf_quant_config.json: not valid JSON"]),
     # --- other files (copied byte for byte): links out, pipes
     ("tokenizer-link-outside", _replace("tokenizer.json", _link_to("{outside}/secret.txt")),
      ["file 'tokenizer.json' is a link that leads outside the model folder"]),
-    ("tokenizer-link-outside-relative", _replace("tokenizer.json", _link_to("../outside/secret.txt")),
+    ("tokenizer-link-outside-relative",
+     _replace("tokenizer.json", _link_to("../outside/secret.txt")),
      ["file 'tokenizer.json' is a link that leads outside"]),
-    ("folder-link-outside", _replace("extra", _link_to("{outside}")), ["folder 'extra' is a link that leads outside"]),
+    ("folder-link-outside", _replace("extra", _link_to("{outside}")),
+     ["folder 'extra' is a link that leads outside"]),
     ("readme-is-fifo", _replace("README.md", _mkfifo), ["README.md: is not a regular file"]),
     ("license-dangling-link", _replace("LICENSE", _link_to("NOPE")), ["LICENSE: cannot be read"]),
     # --- scales and weights that do not fit (plan.py checks them from the headers)
-    ("scale-dtype-f32", _tensors(lambda t: t.update({f"{UP}.weight_scale_inv": (SHARD1, torch.zeros(256, 4))})),
+    ("scale-dtype-f32", _put(f"{UP}.weight_scale_inv", torch.zeros(256, 4)),
      [f"{SHARD1}: scale '{UP}.weight_scale_inv' has dtype F32; MXFP8 scales are U8 or F8_E8M0"]),
-    ("scale-dtype-bf16", _tensors(lambda t: t.update({f"{UP}.weight_scale_inv": (SHARD1, torch.zeros(256, 4, dtype=torch.bfloat16))})),
+    ("scale-dtype-bf16", _put(f"{UP}.weight_scale_inv", torch.zeros(256, 4, dtype=torch.bfloat16)),
      [f"scale '{UP}.weight_scale_inv' has dtype BF16"]),
-    ("scale-1d", _tensors(lambda t: t.update({f"{UP}.weight_scale_inv": (SHARD1, torch.zeros(1024, dtype=torch.uint8))})),
-     [f"scale '{UP}.weight_scale_inv' has shape [1024]; weight '{UP}.weight' [256, 128] needs [256, 4]"]),
-    ("weight-3d", _tensors(lambda t: t.update({f"{UP}.weight": (SHARD1, torch.zeros(2, 128, 128, dtype=torch.uint8).view(torch.float8_e4m3fn))})),
+    ("scale-1d", _put(f"{UP}.weight_scale_inv", torch.zeros(1024, dtype=torch.uint8)),
+     [f"scale '{UP}.weight_scale_inv' has shape [1024]; "
+      f"weight '{UP}.weight' [256, 128] needs [256, 4]"]),
+    ("weight-3d",
+     _put(f"{UP}.weight", torch.zeros(2, 128, 128, dtype=torch.uint8).view(torch.float8_e4m3fn)),
      [f"weight '{UP}.weight' has shape [2, 128, 128]; only 2-D linear weights are supported"]),
-    ("scale-without-weight", _tensors(lambda t: t.pop(f"{UP}.weight")), [f"scale '{UP}.weight_scale_inv' has no weight"]),
+    ("scale-without-weight", _tensors(lambda t: t.pop(f"{UP}.weight")),
+     [f"scale '{UP}.weight_scale_inv' has no weight"]),
     ("weight-without-scale", _tensors(lambda t: t.pop(f"{UP}.weight_scale_inv")),
      [f"weight '{UP}.weight' is float8_e4m3fn but has no scale"]),
 ]
@@ -343,13 +397,15 @@ def test_hostile_input_fails_cleanly(capsys, tmp_path, model, mutate, expected):
     assert_clean_failure(result, dest, *expected)
     assert tree_state(tmp_path) == before  # the source and everything beside it untouched
     assert writes_outside(events, dest) == []
-    read_outside = [p for kind, p in events if kind == "read" and Path(os.path.realpath(p)).is_relative_to(outside)]
+    read_outside = [p for kind, p in events
+                    if kind == "read" and Path(os.path.realpath(p)).is_relative_to(outside)]
     assert read_outside == []
     assert not [e for e in events if e[0] == "unpickle"]
 
 
 def test_every_hostile_input_is_rejected_by_open_checkpoint_or_the_plan(tmp_path):
-    """The same inputs through the library: a ConvertError with a one-line message, no other type."""
+    """The same inputs through the library: a ConvertError with a one-line message, no other
+    type."""
     from mxfp8_convert.convert import plan_conversion
     from mxfp8_convert.errors import ConvertError
 
@@ -385,7 +441,8 @@ def test_enormous_shape_is_rejected_from_the_header_without_reading_data(tmp_pat
     (tmp_path / "model.safetensors").write_bytes(st_bytes(
         {"w": {"dtype": "U8", "shape": [2**40, 2**40], "data_offsets": [0, 2**80]}}, b"\0" * 64))
     t0 = time.perf_counter()
-    with pytest.raises(SourceError, match=r"model.safetensors: tensor 'w': data ends at byte 12089258196146291"):
+    with pytest.raises(SourceError,
+                       match=r"model.safetensors: tensor 'w': data ends at byte 12089258196146291"):
         read_header(tmp_path, "model.safetensors")
     assert time.perf_counter() - t0 < 1
 
@@ -394,7 +451,8 @@ def test_a_sparse_8_tib_shard_is_planned_from_headers_and_refused_for_space(caps
     """A real 8 TiB tensor (sparse file): the plan reads headers only, the space check refuses
     before anything is written; neither step touches the data."""
     m = small_model(tmp_path / "model")
-    cfg_tensors = {"model.big.weight": {"dtype": "BF16", "shape": [2**21, 2**21], "data_offsets": [0, 2**43]}}
+    cfg_tensors = {"model.big.weight": {"dtype": "BF16", "shape": [2**21, 2**21],
+                                        "data_offsets": [0, 2**43]}}
     raw = json.dumps(cfg_tensors).encode()
     shard = m / "model-00003-of-00003.safetensors"
     shard.write_bytes(st_bytes(raw))
@@ -432,7 +490,8 @@ def test_pickles_only_are_never_unpickled_and_safetensors_is_required(capsys, tm
     dest = tmp_path / "out"
     with audit() as events:
         result = run_cli(capsys, m, "-b", "trtllm", "-o", dest)
-    assert_clean_failure(result, dest, "only pickle weights (consolidated.pt, ...); safetensors is required")
+    assert_clean_failure(result, dest,
+                         "only pickle weights (consolidated.pt, ...); safetensors is required")
     assert "pickles are never opened" in result[2]
     assert not canary.exists()
     opened = [p for kind, p in events if kind in ("read", "write") and p.endswith((".bin", ".pt"))]
@@ -442,7 +501,9 @@ def test_pickles_only_are_never_unpickled_and_safetensors_is_required(capsys, tm
 def test_pickles_beside_safetensors_are_ignored_never_opened_and_not_copied(capsys, tmp_path):
     m = small_model(tmp_path / "model")
     canary = tmp_path / "UNPICKLED"
-    for name in ("pytorch_model.bin", "training_args.bin", "optimizer.pt", "original/consolidated.00.pth"):
+    pickles = ("pytorch_model.bin", "training_args.bin", "optimizer.pt",
+               "original/consolidated.00.pth")
+    for name in pickles:
         (m / name).parent.mkdir(exist_ok=True)
         evil_pickle(m / name, canary)
     dest = tmp_path / "out"
@@ -450,12 +511,14 @@ def test_pickles_beside_safetensors_are_ignored_never_opened_and_not_copied(caps
         code, out, err = run_cli(capsys, m, "-b", "cutlass", "-o", dest, "--json")
     assert code == 0, err
     assert not canary.exists()
-    assert [p for kind, p in events if kind in ("read", "write") and p.endswith((".bin", ".pt", ".pth"))] == []
+    touched = [p for kind, p in events if kind in ("read", "write")]
+    assert [p for p in touched if p.endswith((".bin", ".pt", ".pth"))] == []
     assert not [e for e in events if e[0] == "unpickle"]
     copied = {str(p.relative_to(dest)) for p in dest.rglob("*") if p.is_file()}
     assert not [c for c in copied if c.endswith((".bin", ".pt", ".pth"))]
     assert "tokenizer.json" in copied and json.loads(out)["plan"]["copied_files"] == sorted(
-        ["LICENSE", "README.md", "generation_config.json", "tokenizer.json", "tokenizer_config.json"])
+        ["LICENSE", "README.md", "generation_config.json", "tokenizer.json",
+         "tokenizer_config.json"])
 
 
 def test_the_evil_pickle_is_really_evil(tmp_path):
@@ -474,7 +537,8 @@ REPO = "org/tiny-mxfp8"
 
 @pytest.fixture()
 def hf_cache(tmp_path):
-    """A Hub cache holding REPO (every file a link into blobs/), laid out by huggingface_hub's rules."""
+    """A Hub cache holding REPO (every file a link into blobs/), laid out by huggingface_hub's
+    rules."""
     files = folder_files(small_model(tmp_path / "plain"))
     files["sub/extra.txt"] = b"nested file: its link climbs three levels\n"
     cache = tmp_path / "hub"
@@ -488,7 +552,8 @@ def test_hf_cache_snapshot_links_into_its_blobs_work(capsys, tmp_path, hf_cache)
     cache, snapshot, files = hf_cache
     info = scan_cache_dir(cache)  # huggingface_hub itself accepts the layout
     (repo,) = info.repos
-    assert repo.repo_id == REPO and {f.file_name for r in repo.revisions for f in r.files} >= {"config.json", SHARD1}
+    names = {f.file_name for r in repo.revisions for f in r.files}
+    assert repo.repo_id == REPO and names >= {"config.json", SHARD1}
     assert all((snapshot / rel).is_symlink() for rel in files)
     assert os.readlink(snapshot / SHARD1).startswith("../../blobs/")
     before = tree_state(cache)
@@ -503,8 +568,10 @@ def test_hf_cache_snapshot_links_into_its_blobs_work(capsys, tmp_path, hf_cache)
 
 
 def test_hf_cache_model_in_a_subfolder_of_a_snapshot(capsys, tmp_path):
-    """Repos that keep a model under a subfolder: its links climb one level more, into the same blobs."""
-    files = {f"tiny/{rel}": data for rel, data in folder_files(small_model(tmp_path / "plain")).items()}
+    """Repos that keep a model under a subfolder: its links climb one level more, into the same
+    blobs."""
+    plain = folder_files(small_model(tmp_path / "plain"))
+    files = {f"tiny/{rel}": data for rel, data in plain.items()}
     snapshot = hf_cache_repo(tmp_path / "hub", "org/multi", files)
     assert os.readlink(snapshot / "tiny" / SHARD1).startswith("../../../blobs/")
     dest = tmp_path / "out"
@@ -529,7 +596,8 @@ def test_hf_cache_links_elsewhere_are_refused(capsys, tmp_path, hf_cache, target
     dest = tmp_path / "out"
     with audit() as events:
         result = run_cli(capsys, snapshot, "-b", "cutlass", "-o", dest)
-    assert_clean_failure(result, dest, "file 'tokenizer.json' is a link that leads outside the model folder")
+    assert_clean_failure(result, dest,
+                         "file 'tokenizer.json' is a link that leads outside the model folder")
     assert not [p for kind, p in events if kind == "read" and "tokenizer.json" in p]
 
 
@@ -567,8 +635,8 @@ def tiny_tmpfs(tmp_path):
             pytest.skip("tmpfs test needs Linux and mount(8); ENOSPC is injected by the next test")
         mnt = tmp_path / "tmpfs"
         mnt.mkdir()
-        r = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(mnt)],
-                           capture_output=True, text=True)
+        mount = ["mount", "-t", "tmpfs", "-o", f"size={size},mode=0755", "tmpfs", str(mnt)]
+        r = subprocess.run(mount, capture_output=True, text=True)
         if r.returncode != 0:
             pytest.skip(f"cannot mount a tmpfs here ({r.stderr.strip() or r.returncode}); "
                         "ENOSPC is still exercised by test_enospc_injected_*")
@@ -698,7 +766,9 @@ def output_size(tmp_path_factory):
 
 @pytest.mark.parametrize("fraction", [0.0, 0.001,
                                       0.3, 0.7, 0.95, 0.9999, "last-byte"])
-def test_enospc_injected_anywhere_in_the_output(capsys, tmp_path, output_size, monkeypatch, fraction):
+def test_enospc_injected_anywhere_in_the_output(
+    capsys, tmp_path, output_size, monkeypatch, fraction
+):
     """ENOSPC from write() or copy_file_range() at any point (header, tensor bytes, copied
     files, JSON, completion marker): one line, exit 1, no destination, the source untouched,
     no half-written file; what was finished stays in the work folder (each file as its manifest
@@ -728,7 +798,8 @@ def test_enospc_injected_anywhere_in_the_output(capsys, tmp_path, output_size, m
     files = json.loads((work / "mxfp8_convert.partial.json").read_text())["files"]
     assert files and sorted(os.listdir(work)) == sorted([*files, "mxfp8_convert.partial.json"])
     for rel, rec in files.items():
-        assert (work / rel).stat().st_size == rec["size"] and file_digest(work / rel) == rec["xxh3_128"]
+        assert (work / rel).stat().st_size == rec["size"]
+        assert file_digest(work / rel) == rec["xxh3_128"]
     kept = {rel: (work / rel).stat().st_ino for rel in files}
     monkeypatch.undo()
     code, out, err = run_cli(capsys, src, "-b", "cutlass", "-o", dest)
