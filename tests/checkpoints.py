@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 from safetensors import safe_open
+from safetensors.torch import save_file
 
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.layouts import p32_unshuffle_rows, trtllm_scale_to_canonical, unswizzle_128x4
@@ -54,7 +55,8 @@ def marker(root: Path) -> dict:
 def leftovers(parent: Path) -> list[str]:
     """Work folders a failed run might leave beside its destination: ``.NAME.mxfp8-*``
     (``-tmp-``, ``-partial``, ``-old-``: whatever write.py names them)."""
-    return sorted(p.name for p in parent.iterdir() if p.name.startswith(".") and ".mxfp8-" in p.name)
+    return sorted(p.name for p in parent.iterdir()
+                  if p.name.startswith(".") and ".mxfp8-" in p.name)
 
 
 def spec_swizzle_128x4(s: torch.Tensor) -> torch.Tensor:
@@ -102,3 +104,18 @@ def interrupt_after(shards: int):
             raise Stop()
 
     return on_event
+
+
+def replace_tensor(root: Path, name: str, new: torch.Tensor) -> str:
+    """Store ``new`` as tensor ``name`` in whichever shard of ``root`` holds it (that shard's
+    metadata kept); returns the shard's file name."""
+    for f in sorted(root.glob("*.safetensors")):
+        with safe_open(str(f), "pt") as fh:
+            if name not in fh.keys():
+                continue
+            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
+            meta = fh.metadata()
+        tensors[name] = new
+        save_file(tensors, str(f), metadata=meta)
+        return f.name
+    raise KeyError(name)

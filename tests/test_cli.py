@@ -8,10 +8,9 @@ from dataclasses import replace
 
 import pytest
 import torch
-from safetensors.torch import save_file
 
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
-from tests.checkpoints import leftovers, tree_hashes
+from tests.checkpoints import leftovers, replace_tensor, tree_hashes
 from tests.hostile import run_cli as run
 
 SPEC = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=2)
@@ -66,8 +65,8 @@ def test_usage_errors_exit_2(capsys, src, tmp_path):
 
 def test_missing_folder(capsys, tmp_path):
     dest = tmp_path / "o"
-    assert_failed_cleanly(*run(capsys, tmp_path / "nope", "-b", "trtllm", "-o", dest), tmp_path, dest,
-                          f"{tmp_path / 'nope'}: no such folder")
+    assert_failed_cleanly(*run(capsys, tmp_path / "nope", "-b", "trtllm", "-o", dest), tmp_path,
+                          dest, f"{tmp_path / 'nope'}: no such folder")
 
 
 def test_unknown_format(capsys, src, tmp_path):
@@ -79,24 +78,9 @@ def test_unknown_format(capsys, src, tmp_path):
                           "config.json: quant_method 'awq' is not supported")
 
 
-def _rewrite_tensor(src, name, new):
-    """Replace one tensor of the checkpoint (in whichever shard holds it)."""
-    from safetensors import safe_open
-
-    for f in src.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as fh:
-            if name not in fh.keys():
-                continue
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-        tensors[name] = new
-        save_file(tensors, str(f))
-        return f.name
-    raise KeyError(name)
-
-
 def test_scale_shape_mismatch_names_the_tensor(capsys, src, tmp_path):
     name = "model.layers.0.mlp.up_proj.weight_scale_inv"
-    shard = _rewrite_tensor(src, name, torch.zeros(512, 4, dtype=torch.uint8))
+    shard = replace_tensor(src, name, torch.zeros(512, 4, dtype=torch.uint8))
     dest = tmp_path / "o"
     assert_failed_cleanly(*run(capsys, src, "-b", "cutlass", "-o", dest), tmp_path, dest,
                           f"{shard}: scale '{name}' has shape [512, 4]; weight "
@@ -105,7 +89,7 @@ def test_scale_shape_mismatch_names_the_tensor(capsys, src, tmp_path):
 
 def test_k_not_multiple_of_32(capsys, src, tmp_path):
     name = "model.layers.0.mlp.up_proj.weight"
-    _rewrite_tensor(src, name, torch.zeros(512, 250, dtype=torch.uint8).view(torch.float8_e4m3fn))
+    replace_tensor(src, name, torch.zeros(512, 250, dtype=torch.uint8).view(torch.float8_e4m3fn))
     dest = tmp_path / "o"
     assert_failed_cleanly(*run(capsys, src, "-b", "cutlass", "-o", dest), tmp_path, dest,
                           f"weight '{name}' has K=250, not a multiple of 32")
@@ -155,7 +139,8 @@ def test_ineligible_lists_every_offender_and_keep_records_them(capsys, tmp_path)
     assert "model.layers.0.mlp.down_proj.weight [256, 288]: K=288 is not a multiple of 256" in err
     assert "--on-ineligible keep" in err
 
-    code, out, err = run(capsys, src, "-b", "trtllm", "-o", dest, "--on-ineligible", "keep", "--json")
+    code, out, err = run(capsys, src, "-b", "trtllm", "-o", dest, "--on-ineligible", "keep",
+                         "--json")
     assert code == 0, err
     doc = json.loads(out)
     assert doc["plan"]["kept_canonical"] == ["model.layers.0.mlp.down_proj"]
@@ -203,15 +188,18 @@ def test_push_to_hub_verifies_then_uploads(capsys, src, tmp_path, monkeypatch):
     import mxfp8_convert.publish as publish
 
     calls = []
-    monkeypatch.setattr(publish, "push_to_hub", lambda *a, **k: calls.append((a, k)) or "https://hub/commit/1")
-    code, out, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o", "--push-to-hub", "me/tiny-trtllm",
-                         "--private", "--push-branch", "v1", "--json")
+    monkeypatch.setattr(publish, "push_to_hub",
+                        lambda *a, **k: calls.append((a, k)) or "https://hub/commit/1")
+    code, out, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o",
+                         "--push-to-hub", "me/tiny-trtllm", "--private", "--push-branch", "v1",
+                         "--json")
     assert code == 0, err
     assert calls == [((str(tmp_path / "o"), "me/tiny-trtllm"), {"private": True, "revision": "v1"})]
     doc = json.loads(out)
     assert doc["push"] == {"repo_id": "me/tiny-trtllm", "branch": "v1", "private": True,
                            "commit_url": "https://hub/commit/1"}
-    assert "me/tiny-trtllm" in (tmp_path / "o" / "README.md").read_text()  # named in the card's snippet
+    # named in the card's snippet
+    assert "me/tiny-trtllm" in (tmp_path / "o" / "README.md").read_text()
 
 
 def test_push_refused_when_verification_fails(capsys, src, tmp_path, monkeypatch):
@@ -220,7 +208,8 @@ def test_push_refused_when_verification_fails(capsys, src, tmp_path, monkeypatch
 
     calls = []
     monkeypatch.setattr(publish, "push_to_hub", lambda *a, **k: calls.append(a))
-    report = verify_mod.VerifyReport("x", "trtllm", mismatches=[verify_mod.Mismatch("t.weight", "differs", [1, 2])])
+    mismatch = verify_mod.Mismatch("t.weight", "differs", [1, 2])
+    report = verify_mod.VerifyReport("x", "trtllm", mismatches=[mismatch])
     monkeypatch.setattr(verify_mod, "verify", lambda *a, **k: report)
     code, out, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o", "--push-to-hub", "me/x")
     assert code == 1 and calls == []
@@ -230,5 +219,6 @@ def test_push_refused_when_verification_fails(capsys, src, tmp_path, monkeypatch
 def test_push_flag_combinations_are_usage_errors(capsys, src, tmp_path):
     code, _, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o", "--private")
     assert code == 2 and "--push-to-hub" in err
-    code, _, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o", "--push-to-hub", "me/x", "--dry-run")
+    code, _, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o", "--push-to-hub", "me/x",
+                       "--dry-run")
     assert code == 2 and not (tmp_path / "o").exists()

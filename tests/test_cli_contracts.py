@@ -8,13 +8,11 @@ import re
 
 import pytest
 import torch
-from safetensors import safe_open
-from safetensors.torch import save_file
 
 from mxfp8_convert.backends import BACKENDS
-from mxfp8_convert.cli import main
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
-from tests.checkpoints import load_all, tree_hashes
+from tests.checkpoints import load_all, replace_tensor, tree_hashes
+from tests.hostile import run_cli as run
 
 SPEC = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=2)
 FORMAT_NAMES = (
@@ -28,12 +26,6 @@ FORMAT_NAMES = (
     "compressed_tensors_fp8",
     "dense",
 )
-
-
-def run(capsys, *args):
-    code = main([str(a) for a in args])
-    out, err = capsys.readouterr()
-    return code, out, err
 
 
 def strict_json(text: str):
@@ -59,19 +51,6 @@ def header_rows(out: str) -> list[str]:
 @pytest.fixture()
 def src(tmp_path):
     return write_checkpoint(tmp_path / "model", SPEC)
-
-
-def _replace_tensor(root, name, new):
-    for f in root.glob("*.safetensors"):
-        with safe_open(str(f), "pt") as fh:
-            if name not in fh.keys():
-                continue
-            tensors = {k: fh.get_tensor(k) for k in fh.keys()}
-            meta = fh.metadata()
-        tensors[name] = new
-        save_file(tensors, str(f), metadata=meta)
-        return
-    raise KeyError(name)
 
 
 # --- every backend, human output -------------------------------------------------------------
@@ -250,7 +229,7 @@ def test_all_zero_linear_gives_valid_json_and_marker(capsys, tmp_path):
         SynthSpec(layers=1, hidden=256, intermediate=512, vocab=256, dialect="dense"),
     )
     name = "model.layers.0.mlp.up_proj"
-    _replace_tensor(model, f"{name}.weight", torch.zeros(512, 256, dtype=torch.bfloat16))
+    replace_tensor(model, f"{name}.weight", torch.zeros(512, 256, dtype=torch.bfloat16))
     dest = tmp_path / "o"
     code, out, err = run(capsys, model, "-b", "trtllm", "-o", dest, "--json")
     assert code == 0, err
