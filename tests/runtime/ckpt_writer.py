@@ -54,12 +54,18 @@ def _records(name: str, w: MXFP8Weight, spec_layouts: tuple[str, str]) -> dict:
     n, k = w.shape
     c = k // 32
     wl, sl = spec_layouts if w.layout != CANONICAL else (CANONICAL, CANONICAL)
-    scale_name = f"{name}.{SCALE_SUFFIX}" if w.layout != CANONICAL else f"{name}.weight_scale_inv"
+    scale_name = _scale_name(name, w)
     scale_rec = {"role": "weight_scale", "layout": sl, "logical_shape": [n, c],
-                 "padded_shape": [-(-n // 128) * 128, -(-c // 4) * 4], "tile_shape": list(w.scale.shape)}
+                 "padded_shape": [-(-n // 128) * 128, -(-c // 4) * 4],
+                 "tile_shape": list(w.scale.shape)}
     if w.layout == CANONICAL:
         scale_rec["reason"] = "kept canonical by the test writer"
-    return {f"{name}.weight": {"role": "weight", "layout": wl, "shape": [n, k]}, scale_name: scale_rec}
+    weight_rec = {"role": "weight", "layout": wl, "shape": [n, k]}
+    return {f"{name}.weight": weight_rec, scale_name: scale_rec}
+
+
+def _scale_name(name: str, w: MXFP8Weight) -> str:
+    return f"{name}.{SCALE_SUFFIX}" if w.layout != CANONICAL else f"{name}.weight_scale_inv"
 
 
 def write_checkpoint(
@@ -96,7 +102,7 @@ def write_checkpoint(
     files: list[dict[str, torch.Tensor]] = [{} for _ in range(shards)]
     recs: list[dict] = [{} for _ in range(shards)]
     for name, w in sorted(weights.items()):
-        scale_name = f"{name}.{SCALE_SUFFIX}" if w.layout != CANONICAL else f"{name}.weight_scale_inv"
+        scale_name = _scale_name(name, w)
         ws, ss = (0, shards - 1) if shards > 1 else (0, 0)  # weight and scale in different shards
         files[ws][f"{name}.weight"] = w.data.contiguous().cpu()
         files[ss][scale_name] = w.scale.contiguous().cpu()
@@ -105,14 +111,19 @@ def write_checkpoint(
         recs[ss][scale_name] = r[scale_name]
     for i, (name, t) in enumerate(sorted((other or {}).items())):
         files[i % shards][name] = t.contiguous().cpu()
-    names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)] if shards > 1 else ["model.safetensors"]
+    names = ["model.safetensors"]
+    if shards > 1:
+        names = [f"model-{i + 1:05d}-of-{shards:05d}.safetensors" for i in range(shards)]
     smarker = json.dumps(shard_marker if shard_marker is not None else marker, sort_keys=True)
     for fname, tensors, rec in zip(names, files, recs, strict=True):
-        save_file(tensors, str(root / fname), metadata={"mxfp8_convert": smarker, "mxfp8_convert.tensors": json.dumps(rec)})
+        meta = {"mxfp8_convert": smarker, "mxfp8_convert.tensors": json.dumps(rec)}
+        save_file(tensors, str(root / fname), metadata=meta)
     if shards > 1:
-        weight_map = {t: fname for fname, tensors in zip(names, files, strict=True) for t in tensors}
+        weight_map = {t: fname for fname, tensors in zip(names, files, strict=True)
+                      for t in tensors}
         total = sum(t.numel() * t.element_size() for tensors in files for t in tensors.values())
-        index = {"metadata": {"total_size": total, "mxfp8_convert": marker}, "weight_map": dict(sorted(weight_map.items()))}
+        index = {"metadata": {"total_size": total, "mxfp8_convert": marker},
+                 "weight_map": dict(sorted(weight_map.items()))}
         (root / "model.safetensors.index.json").write_text(json.dumps(index, indent=2))
     cfg = {"architectures": ["TinyForTest"], **(config or {}), "quantization_config": marker}
     (root / "config.json").write_text(json.dumps(cfg, indent=2))
@@ -129,26 +140,10 @@ def write_completion(root: str | Path, backend: str) -> dict:
     for p in sorted(root.rglob("*")):
         rel = p.relative_to(root).as_posix()
         if p.is_file() and rel != "mxfp8_convert.complete.json":
-            files[rel] = {"size": p.stat().st_size, "xxh3_128": xxhash.xxh3_128(p.read_bytes()).hexdigest()}
+            files[rel] = {"size": p.stat().st_size,
+                          "xxh3_128": xxhash.xxh3_128(p.read_bytes()).hexdigest()}
     done = {"format_version": FORMAT_VERSION, "backend": backend, "tool_version": "0.1.0",
             "source_fingerprint": "sha256:" + "0" * 64, "quantization_errors": {}, "files": files}
     (root / "mxfp8_convert.complete.json").write_text(json.dumps(done))
     return done
 
-
-def write_canonical_source(root: str | Path, weights: dict[str, tuple[torch.Tensor, torch.Tensor]]) -> Path:
-    """Write an SGLang-dialect MXFP8 source checkpoint (``weight`` + ``weight_scale_inv`` [N, K/32]).
-
-    Used by the load benchmark as the "lay out at load" baseline.
-    """
-    root = Path(root)
-    root.mkdir(parents=True, exist_ok=True)
-    tensors = {}
-    for name, (q, code) in weights.items():
-        tensors[f"{name}.weight"] = q.contiguous().cpu()
-        tensors[f"{name}.weight_scale_inv"] = code.contiguous().cpu()
-    save_file(tensors, str(root / "model.safetensors"))
-    qc = {"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
-          "activation_scheme": "dynamic"}
-    (root / "config.json").write_text(json.dumps({"quantization_config": qc}))
-    return root
