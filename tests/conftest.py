@@ -47,7 +47,8 @@ def _describe(shape: tuple[int, ...], idx: tuple[int, ...]) -> str:
 
 
 def assert_same_bytes(got: torch.Tensor, want: torch.Tensor, what: str = "bytes") -> None:
-    """Assert two tensors hold identical bytes; on failure name the first differing tile/row/byte."""
+    """Assert two tensors hold identical bytes; on failure name the first differing
+    tile/row/byte."""
     got = got.detach().cpu()
     want = want.detach().cpu()
     if got.element_size() == 1:

@@ -112,7 +112,8 @@ _WRITE_FLAGS = os.O_WRONLY | os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_APPEND
 #: audit event -> ((index of a path argument, index of its dir_fd argument or None), ...)
 _MUTATING = {
     "os.rename": ((0, 2), (1, 3)), "os.link": ((0, 2), (1, 3)), "os.symlink": ((1, 2),),
-    "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),), "os.truncate": ((0, None),),
+    "os.remove": ((0, 1),), "os.rmdir": ((0, 1),), "os.mkdir": ((0, 2),),
+    "os.truncate": ((0, None),),
     "os.chmod": ((0, 2),), "os.chown": ((0, 3),), "os.utime": ((0, 3),), "shutil.rmtree": ((0, 1),),
     "shutil.copyfile": ((1, None),), "shutil.move": ((0, None), (1, None)),
 }
@@ -226,7 +227,9 @@ def _git_blob_sha1(data: bytes) -> str:
     return hashlib.sha1(b"blob %d\0" % len(data) + data).hexdigest()
 
 
-def hf_cache_repo(cache: Path, repo_id: str, files: dict[str, bytes], *, commit: str = "a" * 40) -> Path:
+def hf_cache_repo(
+    cache: Path, repo_id: str, files: dict[str, bytes], *, commit: str = "a" * 40
+) -> Path:
     """Lay ``files`` out in HF cache ``cache`` (HF_HUB_CACHE) as ``snapshot_download`` does.
 
     ``models--org--name/blobs/<id>`` holds the bytes (sha256 for LFS files such as
@@ -246,7 +249,8 @@ def hf_cache_repo(cache: Path, repo_id: str, files: dict[str, bytes], *, commit:
     snapshot = storage / "snapshots" / commit
     for rel, data in files.items():
         lfs = rel.endswith(".safetensors") or len(data) > 10 * 1024 * 1024
-        blob = storage / "blobs" / (hashlib.sha256(data).hexdigest() if lfs else _git_blob_sha1(data))
+        sha = hashlib.sha256(data).hexdigest() if lfs else _git_blob_sha1(data)
+        blob = storage / "blobs" / sha
         blob.write_bytes(data)
         dst = snapshot / rel
         dst.parent.mkdir(parents=True, exist_ok=True)
@@ -255,7 +259,8 @@ def hf_cache_repo(cache: Path, repo_id: str, files: dict[str, bytes], *, commit:
 
 
 def folder_files(root: Path) -> dict[str, bytes]:
-    return {str(p.relative_to(root)): p.read_bytes() for p in sorted(root.rglob("*")) if p.is_file()}
+    return {str(p.relative_to(root)): p.read_bytes()
+            for p in sorted(root.rglob("*")) if p.is_file()}
 
 
 def rewrite_tensors(src: Path, edit) -> None:

@@ -14,7 +14,12 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from mxfp8_convert.backends import BACKENDS, FLASHINFER_LAYOUT_VERSION, KERNEL_BACKENDS, get_backend
+from mxfp8_convert.backends import (
+    BACKENDS,
+    FLASHINFER_LAYOUT_VERSION,
+    KERNEL_BACKENDS,
+    get_backend,
+)
 from mxfp8_convert.errors import ConvertError
 from mxfp8_convert.layouts import unswizzle_128x4
 
@@ -158,7 +163,10 @@ def test_scale_row_p_belongs_to_physical_weight_row_p(name, random_bytes, same_b
 
 #: FlashInfer's own pure-torch 128x4 swizzle ([R, C] -> flat bytes, = block_scale_interleave,
 #: which refuses CPU tensors); tests/layouts/test_swizzle.py proves the two agree on a GPU
-FI_128X4 = "flashinfer.experimental.b12x.moe._shared.kernels.reference_flashinfer:_block_scale_interleave_128x4_torch"
+FI_128X4 = (
+    "flashinfer.experimental.b12x.moe._shared.kernels.reference_flashinfer"
+    ":_block_scale_interleave_128x4_torch"
+)
 
 
 def flashinfer_layout(flashinfer, swizzle, name: str, w: torch.Tensor, s: torch.Tensor):
@@ -189,8 +197,9 @@ def test_equals_flashinfer_layout(flashinfer, flashinfer_ref, name, random_bytes
 
 def test_installed_flashinfer_is_the_version_the_layouts_target(flashinfer):
     assert flashinfer.__version__ == FLASHINFER_LAYOUT_VERSION, (
-        f"installed FlashInfer {flashinfer.__version__}, layouts target {FLASHINFER_LAYOUT_VERSION}:"
-        " re-check docs/LAYOUTS.md section 2 against it before bumping"
+        f"installed FlashInfer {flashinfer.__version__}, "
+        f"layouts target {FLASHINFER_LAYOUT_VERSION}: "
+        "re-check docs/LAYOUTS.md section 2 against it before bumping"
     )
 
 
@@ -213,7 +222,8 @@ def test_to_dict_is_json_with_stable_keys(name):
 
 
 def test_known_backends_and_their_layout_names():
-    """These names go into every output's marker (docs/FORMAT.md): renaming one is a format change."""
+    """These names go into every output's marker (docs/FORMAT.md): renaming one is a format
+    change."""
     names = {n: (b.weight_layout, b.scale_layout) for n, b in BACKENDS.items()}
     assert names["trtllm"] == ("p32_rows", "pad128_p32_128x4")
     assert names["cutlass"] == ("identity", "128x4")

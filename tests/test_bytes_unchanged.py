@@ -50,8 +50,8 @@ def reference(tmp_path_factory) -> Path:
 def _run(pythonpath: Path, src: Path, out: Path, *args: str) -> None:
     env = {**os.environ, "PYTHONPATH": str(pythonpath)}
     # -P: the working directory (this checkout) must not come first on the path
-    r = subprocess.run([sys.executable, "-P", "-m", "mxfp8_convert", str(src), *args, "-o", str(out), "--json"],
-                       env=env, capture_output=True, text=True, cwd=out.parent)
+    cmd = [sys.executable, "-P", "-m", "mxfp8_convert", str(src), *args, "-o", str(out), "--json"]
+    r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=out.parent)
     assert r.returncode == 0, r.stderr
 
 
@@ -98,8 +98,10 @@ def _same(a: Path, b: Path) -> None:
             for key in ADDED_RECORD_KEYS:
                 rec.pop(key, None)
     assert ma == mb
-    assert json.loads((a / "config.json").read_text()) == json.loads((b / "config.json").read_text())
-    errors = [json.loads((p / "mxfp8_convert.complete.json").read_text())["quantization_errors"] for p in (a, b)]
+    assert json.loads((a / "config.json").read_text()) == json.loads(
+        (b / "config.json").read_text())
+    errors = [json.loads((p / "mxfp8_convert.complete.json").read_text())["quantization_errors"]
+              for p in (a, b)]
     assert errors[0] == errors[1]
 
 
@@ -114,7 +116,8 @@ CASES = [(d, b, SPEC, ()) for d in ALL_DIALECTS for b in BACKENDS] + [
 
 
 @pytest.mark.parametrize(("dialect", "backend", "spec", "extra"), CASES,
-                         ids=[f"{d}-{b}{'-moe' if s.experts else ''}{''.join(e)}" for d, b, s, e in CASES])
+                         ids=[f"{d}-{b}{'-moe' if s.experts else ''}{''.join(e)}"
+                              for d, b, s, e in CASES])
 def test_outputs_equal_the_reference_converter(tmp_path, reference, dialect, backend, spec, extra):
     src = write_checkpoint(tmp_path / "src", replace(spec, dialect=dialect))
     _run(reference, src, tmp_path / "ref", "--backend", backend, *extra)

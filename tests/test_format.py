@@ -45,8 +45,8 @@ TRTLLM_MARKER = {
     "ignored_layers": ["lm_head", "model.layers.0.mlp.gate"],
     "moe": {
         "layout": "trtllm_fused_moe",
-        "kernel": "trtllm_fp8_block_scale_moe (Fp8QuantizationType.MxFp8, use_shuffled_weight=True, "
-                  "weight_layout=MajorK)",
+        "kernel": "trtllm_fp8_block_scale_moe (Fp8QuantizationType.MxFp8, "
+                  "use_shuffled_weight=True, weight_layout=MajorK)",
         "fc1": "cat([up, gate]) rows interleaved then P32",
         "fc2": "P32",
         "scales": "same rows, 128x4",
@@ -90,7 +90,8 @@ def test_make_marker_writes_format_md_section_2():
 
 
 def test_make_marker_refuses_the_canonical_backend():
-    with pytest.raises(MarkerError, match="^backend 'canonical' has no kernel layout, so no marker$"):
+    with pytest.raises(MarkerError,
+                       match="^backend 'canonical' has no kernel layout, so no marker$"):
         make_marker("canonical", dialect="dense", fingerprint="sha256:0", tool_version="0")
 
 
@@ -104,7 +105,8 @@ def test_marker_parses_and_writes_back_the_same_dict(marker):
 def test_marker_without_moe_keys_reads_them_as_null():
     """Markers written without ``moe`` / ``original_quantization_config`` (FORMAT.md: both may
     be null) read as null; every other key is required."""
-    d = {k: v for k, v in CUTLASS_MARKER.items() if k not in ("moe", "original_quantization_config")}
+    d = {k: v for k, v in CUTLASS_MARKER.items()
+         if k not in ("moe", "original_quantization_config")}
     m = Marker.parse(d, "out/config.json")
     assert m.moe is None and m.original_quantization_config is None
 
@@ -139,7 +141,8 @@ BAD_MARKERS = [
      "out/config.json: marker scale_layout='128x4' does not match backend trtllm "
      "('pad128_p32_128x4')"),
     ({**CUTLASS_MARKER, "weight_layout": "p32_rows"},
-     "out/config.json: marker weight_layout='p32_rows' does not match backend cutlass ('identity')"),
+     "out/config.json: marker weight_layout='p32_rows' does not match backend cutlass "
+     "('identity')"),
     ({**TRTLLM_MARKER, "scale_suffix": "weight_scale_inv"},
      "out/config.json: marker scale_suffix='weight_scale_inv' does not match backend trtllm "
      "('weight_scale_swizzled')"),
@@ -174,7 +177,8 @@ def test_canonical_config_is_plain_sglang_mxfp8():
     assert canonical_config(None, ["lm_head", "b", "lm_head"]) == {
         "quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
         "activation_scheme": "dynamic", "ignored_layers": ["b", "lm_head"]}
-    own = {"quant_method": "mxfp8", "weight_block_size": [1, 32], "x": 1, "ignored_layers": ["lm_head"]}
+    own = {"quant_method": "mxfp8", "weight_block_size": [1, 32], "x": 1,
+           "ignored_layers": ["lm_head"]}
     assert canonical_config(own, ["lm_head"]) is own
     # an SGLang source's config comes back with the exact modules this output leaves unquantized
     assert canonical_config(own, ["lm_head", "model.layers.0.mlp.down_proj"]) == {
@@ -201,7 +205,8 @@ BAD_COMPLETIONS = [
     ({**COMPLETION, "backend": "marlin"}, "unknown backend 'marlin'"),
     (_files([]), "files: [] is not an object"),
     (_files({"/etc/passwd": _REC}), "files: '/etc/passwd' is not a path inside the folder"),
-    (_files({"../x.safetensors": _REC}), "files: '../x.safetensors' is not a path inside the folder"),
+    (_files({"../x.safetensors": _REC}),
+     "files: '../x.safetensors' is not a path inside the folder"),
     (_files({"a/../b": _REC}), "files: 'a/../b' is not a path inside the folder"),
     (_files({"./a": _REC}), "files: './a' is not a path inside the folder"),
     (_files({"a": {"size": 1}}), "files: 'a': no 'xxh3_128'"),
@@ -226,7 +231,8 @@ def test_completion_refusals(record, detail):
 def test_completion_read_from_a_folder(tmp_path):
     (tmp_path / "mxfp8_convert.complete.json").write_text(json.dumps(COMPLETION))
     assert Completion.read(tmp_path).to_dict() == COMPLETION
-    with pytest.raises(OutputError, match=r"^.*/nowhere/mxfp8_convert.complete.json: no completion marker$"):
+    with pytest.raises(OutputError,
+                       match=r"^.*/nowhere/mxfp8_convert.complete.json: no completion marker$"):
         Completion.read(tmp_path / "nowhere", error=OutputError)
 
 
@@ -261,7 +267,8 @@ def _strings(tree: ast.AST):
     """Every string constant of a module except docstrings, with its line."""
     docs = {id(n.body[0].value) for n in ast.walk(tree)
             if isinstance(n, (ast.Module, ast.ClassDef, ast.FunctionDef, ast.AsyncFunctionDef))
-            and n.body and isinstance(n.body[0], ast.Expr) and isinstance(n.body[0].value, ast.Constant)}
+            and n.body and isinstance(n.body[0], ast.Expr)
+            and isinstance(n.body[0].value, ast.Constant)}
     for n in ast.walk(tree):
         if isinstance(n, ast.Constant) and isinstance(n.value, str) and id(n) not in docs:
             yield n.lineno, n.value
@@ -292,7 +299,10 @@ def test_the_product_cites_no_file_outside_the_repository():
     assert links and all(not link.startswith(("http", "/")) and (docs / link).resolve().is_file()
                          and REPO in (docs / link).resolve().parents for link in links), links
     assert "../" not in text
-    cited = [f"{p.relative_to(REPO)}" for folder in ("mxfp8_convert", "docs", "examples", "benchmarks")
+    folders = ("mxfp8_convert", "docs", "examples", "benchmarks")
+    cited = [f"{p.relative_to(REPO)}" for folder in folders
              for p in sorted((REPO / folder).rglob("*")) if p.suffix in (".py", ".md")
-             and "SPEC.md" in p.read_text()] + (["README.md"] if "SPEC" in (REPO / "README.md").read_text() else [])
+             and "SPEC.md" in p.read_text()]
+    if "SPEC" in (REPO / "README.md").read_text():
+        cited.append("README.md")
     assert cited == []

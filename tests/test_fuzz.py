@@ -77,7 +77,8 @@ def one_line(e: ConvertError) -> None:
 
 
 def _gist(message: str) -> str:
-    """The kind of an error message, without the names and numbers (for --hypothesis-show-statistics)."""
+    """The kind of an error message, without the names and numbers (for
+    --hypothesis-show-statistics)."""
     text = re.sub(r"'[^']*'|\"[^\"]*\"|\[[^\]]*\]|\d+|\S+\.(safetensors|json)\b", "_", message)
     return " ".join(text.split()[:8])
 
@@ -99,18 +100,20 @@ json_scalars = (st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.fl
                 | st.text(max_size=12))
 json_values = st.recursive(
     json_scalars,
-    lambda kids: st.lists(kids, max_size=4) | st.dictionaries(st.text(max_size=8), kids, max_size=4),
+    lambda kids: (st.lists(kids, max_size=4)
+                  | st.dictionaries(st.text(max_size=8), kids, max_size=4)),
     max_leaves=12,
 )
 #: values near the valid ones, so the fuzzer reaches the checks past "is it a list of ints"
 dtypes = st.sampled_from([*ST_DTYPES, "F8_E4M3FNUZ", "F4", "C64", "", "u8", "BF16 "])
 dims = st.integers(-2, 300) | st.sampled_from([2**31, 2**40, 2**47, 2**48, 2**63, 2**64])
 shapes = st.lists(dims, max_size=4)
-offsets = st.lists(st.integers(-1, 40_000) | st.sampled_from([2**32, 2**63, 2**64, 2**80]), min_size=0, max_size=3)
+offsets = st.lists(st.integers(-1, 40_000) | st.sampled_from([2**32, 2**63, 2**64, 2**80]),
+                   min_size=0, max_size=3)
 hostile_paths = st.sampled_from([
-    SHARD1, SHARD2, "", ".", "./" + SHARD1, "../" + SHARD1, "/etc/passwd", "/dev/zero", "a\0b.safetensors",
-    "sub/../" + SHARD1, SHARD1 + "/", "config.json", "missing.safetensors", "x" * 300 + ".safetensors",
-    "\\" + SHARD1, "C:\\x.safetensors", "tokenizer.json",
+    SHARD1, SHARD2, "", ".", "./" + SHARD1, "../" + SHARD1, "/etc/passwd", "/dev/zero",
+    "a\0b.safetensors", "sub/../" + SHARD1, SHARD1 + "/", "config.json", "missing.safetensors",
+    "x" * 300 + ".safetensors", "\\" + SHARD1, "C:\\x.safetensors", "tokenizer.json",
 ])
 
 
@@ -123,7 +126,8 @@ def header_edits(draw, base_file: bytes) -> tuple[dict, tuple]:
     for _ in range(draw(st.integers(1, 3))):
         name = draw(st.sampled_from(names))
         entry = header.get(name)
-        op = draw(st.sampled_from(["dtype", "shape", "offsets", "field", "entry", "drop", "add", "shift", "meta"]))
+        op = draw(st.sampled_from(["dtype", "shape", "offsets", "field", "entry", "drop", "add",
+                                   "shift", "meta"]))
         if op in ("dtype", "shape", "offsets", "field", "shift") and not isinstance(entry, dict):
             op = "entry"
         if op == "dtype":
@@ -133,7 +137,8 @@ def header_edits(draw, base_file: bytes) -> tuple[dict, tuple]:
         elif op == "offsets":
             entry["data_offsets"] = draw(offsets | json_values)
         elif op == "field":
-            entry[draw(st.sampled_from(["dtype", "shape", "data_offsets", "x"]))] = draw(json_values)
+            field = draw(st.sampled_from(["dtype", "shape", "data_offsets", "x"]))
+            entry[field] = draw(json_values)
         elif op == "entry":
             header[name] = draw(json_values)
         elif op == "drop":
@@ -189,7 +194,8 @@ def index_files(draw, index_raw: bytes) -> bytes:
         text = json.dumps({"metadata": {"total_size": 0}, "weight_map": wm})
         if draw(st.booleans()):  # a tensor named twice: the duplicate key json.dumps cannot write
             k = draw(st.sampled_from(sorted(valid)))
-            text = text.replace('"weight_map": {', f'"weight_map": {{{json.dumps(k)}: {json.dumps(draw(hostile_paths))}, ', 1)
+            path = json.dumps(draw(hostile_paths))
+            text = text.replace('"weight_map": {', f'"weight_map": {{{json.dumps(k)}: {path}, ', 1)
         return text.encode()
     data = bytearray(index_raw)
     for _ in range(draw(st.integers(1, 4))):
@@ -210,9 +216,11 @@ def config_files(config_raw: bytes):
 
     return st.one_of(
         json_values.map(lambda v: json.dumps(v).encode()),
-        st.tuples(st.sampled_from(plain) | st.text(max_size=8).filter(lambda k: k != "quantization_config"),
+        st.tuples(st.sampled_from(plain)
+                  | st.text(max_size=8).filter(lambda k: k != "quantization_config"),
                   json_values).map(with_value),
-        st.tuples(st.just("quantization_config"), json_scalars | st.lists(json_values, max_size=3)).map(with_value),
+        st.tuples(st.just("quantization_config"),
+                  json_scalars | st.lists(json_values, max_size=3)).map(with_value),
         st.binary(max_size=64),
     )
 
@@ -238,7 +246,8 @@ def read_or_refuse(d: Path, name: str, content: bytes) -> None:
     st.binary(max_size=256),
     st.tuples(st.integers(0, 2**64 - 1) | st.integers(0, 300), st.binary(max_size=256)).map(
         lambda t: struct.pack("<Q", t[0]) + t[1]),
-    st.tuples(json_values, st.binary(max_size=64)).map(lambda t: st_bytes(json.dumps(t[0]).encode(), t[1])),
+    st.tuples(json_values, st.binary(max_size=64)).map(
+        lambda t: st_bytes(json.dumps(t[0]).encode(), t[1])),
 ))
 def test_fuzz_header_random_bytes(tmp_path, data):
     read_or_refuse(Path(tempfile.mkdtemp(dir=tmp_path)), "x.safetensors", data)
@@ -273,7 +282,8 @@ def test_fuzz_index_and_config(tmp_path, base, data):
         one_line(e)
     else:
         event("accepted")
-        assert set(ckpt.shards) <= {SHARD1, SHARD2} and all(t.file in ckpt.shards for t in ckpt.tensors.values())
+        assert set(ckpt.shards) <= {SHARD1, SHARD2}
+        assert all(t.file in ckpt.shards for t in ckpt.tensors.values())
 
 
 # --- the whole conversion: never a write outside the temporary output ---------------------------
@@ -283,7 +293,9 @@ def test_fuzz_index_and_config(tmp_path, base, data):
 @given(data=st.data())
 def test_fuzz_convert_writes_only_its_output(tmp_path, base, data):
     files = dict(base)
-    for rel in data.draw(st.lists(st.sampled_from([SHARD1, SHARD2, INDEX, "config.json"]), min_size=1, max_size=2, unique=True)):
+    edited = st.lists(st.sampled_from([SHARD1, SHARD2, INDEX, "config.json"]), min_size=1,
+                      max_size=2, unique=True)
+    for rel in data.draw(edited):
         if rel == INDEX:
             files[rel] = data.draw(index_files(base[rel]))
         elif rel == "config.json":
@@ -335,7 +347,8 @@ def test_fuzz_cli_exit_code_and_one_line(tmp_path, base, data, capsys):
     assert "Traceback" not in err
     event(f"exit {code}")
     if code == 0:
-        assert json.loads(out)["output"] == str(dest) and (dest / "mxfp8_convert.complete.json").exists()
+        assert json.loads(out)["output"] == str(dest)
+        assert (dest / "mxfp8_convert.complete.json").exists()
     else:
         lines = err.strip().splitlines()
         assert lines[0].startswith("Error: ") and len(lines) <= 2, err
@@ -352,12 +365,15 @@ quantization_configs = st.fixed_dictionaries(
     {"quant_method": st.sampled_from(["mxfp8", "fp8", "compressed-tensors", "modelopt"])},
     optional={
         "weight_block_size": json_values, "quant_algo": json_values, "ignored_layers": json_values,
-        "config_groups": st.dictionaries(st.text(max_size=4), st.fixed_dictionaries({}, optional={"weights": json_values}), max_size=2),
+        "config_groups": st.dictionaries(
+            st.text(max_size=4), st.fixed_dictionaries({}, optional={"weights": json_values}),
+            max_size=2),
     },
 )
 
 
-@settings(FUZZ, max_examples=30, phases=[Phase.explicit, Phase.generate], report_multiple_bugs=False)
+@settings(FUZZ, max_examples=30, phases=[Phase.explicit, Phase.generate],
+          report_multiple_bugs=False)
 @example(qc={"quant_method": "fp8", "weight_block_size": 32})
 @example(qc={"quant_method": "compressed-tensors", "config_groups": {"g": {"weights": [8]}}})
 @given(qc=quantization_configs)
@@ -366,7 +382,8 @@ def test_fuzz_quantization_config_reaches_only_convert_errors(tmp_path, base, qc
 
     cfg = json.loads(base["config.json"])
     cfg["quantization_config"] = qc
-    src = write_files(Path(tempfile.mkdtemp(dir=tmp_path)) / "m", {**base, "config.json": json.dumps(cfg).encode()})
+    files = {**base, "config.json": json.dumps(cfg).encode()}
+    src = write_files(Path(tempfile.mkdtemp(dir=tmp_path)) / "m", files)
     try:
         plan_conversion(src, "cutlass", on_ineligible="keep")
     except ConvertError as e:

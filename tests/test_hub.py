@@ -86,7 +86,8 @@ def test_repo_not_in_offline_cache_is_one_line(hub):
     r = run_cli(["org/absent", "--backend", "cutlass"], hf_home, work)
     assert r.returncode == 1
     assert r.stderr.strip().splitlines() == [
-        "Error: org/absent: not in the local Hub cache and the Hub cannot be reached (HF_HUB_OFFLINE is set)"]
+        "Error: org/absent: not in the local Hub cache and the Hub cannot be reached "
+        "(HF_HUB_OFFLINE is set)"]
     assert list(work.iterdir()) == []
 
 

@@ -78,8 +78,10 @@ def flashinfer_expert(w, s, block: str, e: int, names, scale_name: str) -> dict[
     perm13_sf = fi_core._maybe_get_cached_w3_w1_permute_indices({}, s13, 128, num_elts_per_sf=32)
     perm2 = fi_core.get_w2_permute_indices_with_cache({}, w2, 128)
     perm2_sf = fi_core.get_w2_permute_indices_with_cache({}, s2, 128, num_elts_per_sf=32)
-    return {"w13_weight": w13[perm13], "w13_weight_scale_swizzled": spec_swizzle_128x4(s13[perm13_sf].contiguous()),
-            "w2_weight": w2[perm2], "w2_weight_scale_swizzled": spec_swizzle_128x4(s2[perm2_sf].contiguous())}
+    return {"w13_weight": w13[perm13],
+            "w13_weight_scale_swizzled": spec_swizzle_128x4(s13[perm13_sf].contiguous()),
+            "w2_weight": w2[perm2],
+            "w2_weight_scale_swizzled": spec_swizzle_128x4(s2[perm2_sf].contiguous())}
 
 
 def canonical_reference(sources, name, tmp_path):
@@ -97,8 +99,8 @@ def canonical_reference(sources, name, tmp_path):
 # --- bytes ----------------------------------------------------------------------------------
 
 
-@pytest.mark.parametrize("name", ["sglang_mxfp8", "e8m0", "compressed_tensors_mxfp8", "w123", "dense",
-                                  "block_fp8", "block_fp8_requant"])
+@pytest.mark.parametrize("name", ["sglang_mxfp8", "e8m0", "compressed_tensors_mxfp8", "w123",
+                                  "dense", "block_fp8", "block_fp8_requant"])
 def test_fused_bytes_equal_flashinfer_per_expert(sources, tmp_path, same_bytes, name):
     src, spec = sources[name]
     result = convert(src, "trtllm", tmp_path / "out")
@@ -106,21 +108,26 @@ def test_fused_bytes_equal_flashinfer_per_expert(sources, tmp_path, same_bytes, 
     ref, scale_name = canonical_reference(sources, name, tmp_path)
     e_count, h, i = spec.experts, spec.hidden, spec.moe_intermediate
     for block in BLOCKS:
-        want = [flashinfer_expert(ref, ref, block, e, expert_names(spec), scale_name) for e in range(e_count)]
+        want = [flashinfer_expert(ref, ref, block, e, expert_names(spec), scale_name)
+                for e in range(e_count)]
         for suffix in FUSED:
             t = got[f"{block}.{suffix}"]
             same_bytes(t.reshape(e_count, -1), torch.stack([w[suffix].reshape(-1) for w in want]),
                        f"{block}.{suffix}")
         assert got[f"{block}.w13_weight"].dtype == torch.float8_e4m3fn
         assert tuple(got[f"{block}.w13_weight"].shape) == (e_count, 2 * i, h)
-        assert tuple(got[f"{block}.w13_weight_scale_swizzled"].shape) == (e_count, 2 * i // 128, h // 128, 512)
+        tiles13 = (e_count, 2 * i // 128, h // 128, 512)
+        assert tuple(got[f"{block}.w13_weight_scale_swizzled"].shape) == tiles13
         assert tuple(got[f"{block}.w2_weight"].shape) == (e_count, h, i)
-        assert tuple(got[f"{block}.w2_weight_scale_swizzled"].shape) == (e_count, h // 128, i // 128, 512)
-    assert not any(expert_key(n.rsplit(".", 1)[0]) for n in got), "exactly one copy: no per-expert tensors left"
+        tiles2 = (e_count, h // 128, i // 128, 512)
+        assert tuple(got[f"{block}.w2_weight_scale_swizzled"].shape) == tiles2
+    assert not any(expert_key(n.rsplit(".", 1)[0]) for n in got), (
+        "exactly one copy: no per-expert tensors left")
     assert "model.layers.0.mlp.gate.weight" in got  # the router passes through
     assert "model.layers.0.mlp.shared_experts.up_proj.weight_scale_swizzled" in got  # dense rules
     assert verify(tmp_path / "out", src).ok
-    if spec.dialect == "dense" or not spec.pow2_scales:  # requantized: one error per expert projection
+    # requantized: one error per expert projection
+    if spec.dialect == "dense" or not spec.pow2_scales:
         assert f"{BLOCKS[1]}.3.{expert_names(spec)[2]}" in result.quantization_errors
 
 
@@ -132,23 +139,31 @@ def test_records_marker_and_placement(sources, tmp_path):
     assert m["experts_suffixes"] == {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
     assert m["fc1"] == "cat([up, gate]) rows interleaved then P32" and m["fc2"] == "P32"
     src_map = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    out_map = json.loads((tmp_path / "out" / "model.safetensors.index.json").read_text())["weight_map"]
-    assert src_map["model.layers.0.mlp.experts.0.gate_proj.weight"] != src_map[
-        "model.layers.0.mlp.experts.1.up_proj.weight"], "the fixture must spread an expert over shards"
+    out_index = tmp_path / "out" / "model.safetensors.index.json"
+    out_map = json.loads(out_index.read_text())["weight_map"]
+    experts = "model.layers.0.mlp.experts"
+    assert src_map[f"{experts}.0.gate_proj.weight"] != src_map[f"{experts}.1.up_proj.weight"], (
+        "the fixture must spread an expert over shards")
     for block in BLOCKS:
         shard = src_map[f"{block}.0.gate_proj.weight"]
         assert {out_map[f"{block}.{s}"] for s in FUSED} == {shard}
     _, meta = load_all(tmp_path / "out")
-    records = {k: v for shard in meta.values() for k, v in json.loads(shard["mxfp8_convert.tensors"]).items()}
+    records = {k: v for shard in meta.values()
+               for k, v in json.loads(shard["mxfp8_convert.tensors"]).items()}
     block = BLOCKS[0]
     common = {"layout": MOE_LAYOUT, "experts": 4, "hidden": 256, "intermediate": 128}
-    assert records[f"{block}.w13_weight"] == {"role": "moe_fc1_weight", "shape": [4, 256, 256], **common}
+    assert records[f"{block}.w13_weight"] == {
+        "role": "moe_fc1_weight", "shape": [4, 256, 256], **common}
     assert records[f"{block}.w13_weight_scale_swizzled"] == {
-        "role": "moe_fc1_scale", "logical_shape": [4, 256, 8], "tile_shape": [4, 2, 2, 512], **common}
-    assert records[f"{block}.w2_weight"] == {"role": "moe_fc2_weight", "shape": [4, 256, 128], **common}
+        "role": "moe_fc1_scale", "logical_shape": [4, 256, 8], "tile_shape": [4, 2, 2, 512],
+        **common}
+    assert records[f"{block}.w2_weight"] == {
+        "role": "moe_fc2_weight", "shape": [4, 256, 128], **common}
     assert records[f"{block}.w2_weight_scale_swizzled"] == {
-        "role": "moe_fc2_scale", "logical_shape": [4, 256, 4], "tile_shape": [4, 2, 1, 512], **common}
-    assert marker(convert(src, "cutlass", tmp_path / "cut").output and tmp_path / "cut")["moe"] is None
+        "role": "moe_fc2_scale", "logical_shape": [4, 256, 4], "tile_shape": [4, 2, 1, 512],
+        **common}
+    convert(src, "cutlass", tmp_path / "cut")
+    assert marker(tmp_path / "cut")["moe"] is None
 
 
 # --- the way back ---------------------------------------------------------------------------
@@ -214,15 +229,17 @@ def test_shape_violations_are_listed_before_any_work(tmp_path):
     with pytest.raises(IneligibleError) as e:
         convert(src, "trtllm", tmp_path / "out")
     assert e.value.offenders == [
-        f"{b} [E=4, H=256, I=96]: I=96 is not a multiple of 128 (FC2 scale columns I/32 % 4, FlashInfer's "
-        "MXFP8 prepare check); 2I=192 is not a multiple of 128 (FC1 P32 scale rows)" for b in BLOCKS]
+        f"{b} [E=4, H=256, I=96]: I=96 is not a multiple of 128 "
+        "(FC2 scale columns I/32 % 4, FlashInfer's MXFP8 prepare check); "
+        "2I=192 is not a multiple of 128 (FC1 P32 scale rows)" for b in BLOCKS]
     assert str(e.value).startswith("2 tensor(s) or MoE block(s) do not fit backend trtllm: ")
     assert "--moe keep" in e.value.hint
     assert not (tmp_path / "out").exists()
     r = convert(src, "trtllm", tmp_path / "kept", on_ineligible="keep")
     assert r.plan.moe == () and marker(tmp_path / "kept")["moe"] is None
     reasons = {m.reason for m in r.plan.modules if expert_key(m.name)}
-    assert len(reasons) == 1 and reasons.pop().startswith("fused MoE: I=96 is not a multiple of 128")
+    assert len(reasons) == 1
+    assert reasons.pop().startswith("fused MoE: I=96 is not a multiple of 128")
     assert verify(tmp_path / "kept", src).ok
 
 
@@ -242,7 +259,8 @@ def test_moe_keep_leaves_experts_canonical_per_expert(sources, tmp_path):
 
 def test_incomplete_experts_are_refused(sources, tmp_path):
     src, _ = sources["sglang_mxfp8"]
-    with pytest.raises(LayoutError, match=r"model.layers.\d.mlp.experts: expert \d has no up projection"):
+    with pytest.raises(LayoutError,
+                       match=r"model.layers.\d.mlp.experts: expert \d has no up projection"):
         convert(src, "trtllm", tmp_path / "out", ignore=["*.experts.2.up_proj"])
     convert(src, "trtllm", tmp_path / "out", ignore=["*.experts.2.up_proj"], moe="keep")
 
@@ -263,14 +281,16 @@ def test_verify_names_expert_row_and_col_of_a_flipped_byte(sources, tmp_path, ph
     assert proj == ("up_proj" if physical_row == 5 else "gate_proj")
     mismatches = verify(out, src, check_hashes=False).mismatches
     assert [str(m) for m in mismatches] == [
-        f"{BLOCKS[1]}.{e}.{proj}.weight: differs from the source's canonical MXFP8 (expert, row, col) at [{e}, {row}, {col}]"]
+        f"{BLOCKS[1]}.{e}.{proj}.weight: differs from the source's canonical MXFP8 "
+        f"(expert, row, col) at [{e}, {row}, {col}]"]
 
 
 def test_verify_catches_scale_and_record_tampering(sources, tmp_path):
     src, _ = sources["sglang_mxfp8"]
     out = tmp_path / "out"
     convert(src, "trtllm", out)
-    flip_byte(out, f"{BLOCKS[0]}.w2_weight_scale_swizzled", 512 * 2 * 3)  # expert 3, tile (0, 0), byte 0
+    # expert 3, tile (0, 0), byte 0
+    flip_byte(out, f"{BLOCKS[0]}.w2_weight_scale_swizzled", 512 * 2 * 3)
     [m] = verify(out, src, check_hashes=False).mismatches
     assert (m.where, m.position) == (f"{BLOCKS[0]}.3.down_proj.scale", [3, 0, 0])
     info = open_checkpoint(out).tensors[f"{BLOCKS[0]}.w2_weight"]
@@ -281,14 +301,16 @@ def test_verify_catches_scale_and_record_tampering(sources, tmp_path):
     found = {m.where: m.what for m in verify(out, check_hashes=False).mismatches}
     assert found[f"{BLOCKS[0]}.w13_weight"] == (
         "F8_E4M3 [4, 256, 256], but moe_fc1_weight of E=4, H=256, I=256 is F8_E4M3 [4, 512, 256]")
-    assert found[f"{BLOCKS[0]}.w2_weight"] == "the four fused tensors of this block record different E, H, I"
+    assert found[f"{BLOCKS[0]}.w2_weight"] == (
+        "the four fused tensors of this block record different E, H, I")
 
 
 def test_inspect_shows_moe_blocks(sources, tmp_path, capsys):
     src, _ = sources["sglang_mxfp8"]
     rep = inspect_checkpoint(src)
-    assert [(m.name, m.experts, m.hidden, m.intermediate, m.stored, m.why_not) for m in rep.moe] == [
-        (b, 4, 256, 128, "per-expert", []) for b in BLOCKS]
+    blocks = [(m.name, m.experts, m.hidden, m.intermediate, m.stored, m.why_not)
+              for m in rep.moe]
+    assert blocks == [(b, 4, 256, 128, "per-expert", []) for b in BLOCKS]
     assert "8 experts fused into 2 MoE blocks" in rep.actions["trtllm"]
     bad = write_checkpoint(tmp_path / "bad", replace(SPEC, moe_intermediate=96))
     assert inspect_checkpoint(bad).moe[0].why_not[0].startswith("I=96 is not a multiple of 128")
@@ -301,9 +323,11 @@ def test_inspect_shows_moe_blocks(sources, tmp_path, capsys):
 
 def test_cli_moe_option(sources, tmp_path, capsys):
     src, _ = sources["sglang_mxfp8"]
-    assert main([str(src), "-b", "trtllm", "-o", str(tmp_path / "o"), "--dry-run", "--json", "--moe", "keep"]) == 0
+    args = [str(src), "-b", "trtllm", "-o", str(tmp_path / "o")]
+    assert main([*args, "--dry-run", "--json", "--moe", "keep"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["plan"]["moe_layers"] == [] and doc["plan"]["modules_by_action"] == {"relayout": 14, "keep": 24}
+    assert doc["plan"]["moe_layers"] == []
+    assert doc["plan"]["modules_by_action"] == {"relayout": 14, "keep": 24}
     assert main([str(src), "-b", "trtllm", "-o", str(tmp_path / "o"), "--dry-run", "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
     assert [m["name"] for m in doc["plan"]["moe_layers"]] == list(BLOCKS)
@@ -336,4 +360,5 @@ def test_at_most_one_expert_in_memory(sources, tmp_path, monkeypatch, name):
     src, spec = sources[name]
     convert(src, "trtllm", tmp_path / "out")
     assert len(seen) >= 3 * spec.experts * spec.layers
-    assert max(len(experts) for experts in seen) == 1, "canonical weights of two experts were alive at once"
+    assert max(len(experts) for experts in seen) == 1, (
+        "canonical weights of two experts were alive at once")

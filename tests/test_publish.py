@@ -1,4 +1,5 @@
-"""mxfp8_convert/publish.py: the model card of an output and the Hub upload (a fake HfApi, no network)."""
+"""mxfp8_convert/publish.py: the model card of an output and the Hub upload (a fake HfApi, no
+network)."""
 
 from __future__ import annotations
 
@@ -88,7 +89,8 @@ def test_card_front_matter(output):
 
 def test_card_keeps_source_metadata_that_still_holds(output):
     data = card_of(output)[1].data.to_dict()
-    assert (data["license"], data["language"], data["pipeline_tag"]) == ("apache-2.0", ["en", "fr"], "text-generation")
+    kept = (data["license"], data["language"], data["pipeline_tag"])
+    assert kept == ("apache-2.0", ["en", "fr"], "text-generation")
     assert "compressed-tensors" not in data["tags"]  # the source's format tags would be wrong here
 
 
@@ -124,7 +126,9 @@ def test_card_loading_snippet(output):
     assert "from mxfp8_convert.runtime import load_checkpoint" in code
     assert 'snapshot_download("me/model-x")' in code
     assert f'backend="{backend_of(output)}"' in code
-    assert code.strip() in LOAD_SNIPPET.format(where='snapshot_download("me/model-x")', backend=backend_of(output))
+    snippet = LOAD_SNIPPET.format(where='snapshot_download("me/model-x")',
+                                  backend=backend_of(output))
+    assert code.strip() in snippet
 
 
 def test_card_provenance(output):
@@ -135,7 +139,8 @@ def test_card_provenance(output):
     assert rows["source fingerprint"] == f"`{marker['source']['fingerprint']}` (headers-v1)"
     assert rows["left unquantized"] == "`lm_head`"
     assert rows["kept canonical MXFP8"] == "none"
-    assert rows["command"] == f"`mxfp8-convert org/model --backend {backend_of(output)} --revision abc123`"
+    assert rows["command"] == (
+        f"`mxfp8-convert org/model --backend {backend_of(output)} --revision abc123`")
 
 
 def test_card_keeps_source_body_below_ours(output):
@@ -143,7 +148,8 @@ def test_card_keeps_source_body_below_ours(output):
     ours, theirs = text.split("\n## Original model card\n")
     assert "## How it was made" in ours
     assert theirs.strip() == "# Source model\n\nTrained on many tokens."
-    assert "license: apache-2.0" not in card.text  # the source's front matter is not repeated in the body
+    # the source's front matter is not repeated in the body
+    assert "license: apache-2.0" not in card.text
 
 
 def test_card_of_a_converted_output_does_not_nest(output, trtllm_output):
@@ -167,22 +173,26 @@ def test_card_source_without_front_matter(output, caplog):
     with caplog.at_level(logging.WARNING):
         text = make_model_card(output, source_card="# Plain\n\nNo metadata.\n", source_repo=None)
     assert text.endswith("## Original model card\n\n# Plain\n\nNo metadata.\n")
-    assert caplog.records == []  # huggingface_hub warns about cards without metadata; we check first
+    # huggingface_hub warns about cards without metadata; we check first
+    assert caplog.records == []
 
 
 def test_card_source_with_broken_front_matter(output):
-    text = make_model_card(output, source_card="---\nlicense: [mit\n---\n# Body\n", source_repo=None)
+    text = make_model_card(output, source_card="---\nlicense: [mit\n---\n# Body\n",
+                           source_repo=None)
     assert "license" not in ModelCard(text).data.to_dict()
     assert text.endswith("## Original model card\n\n# Body\n")
 
 
 def test_card_source_with_non_string_keys(output):
-    text = make_model_card(output, source_card="---\n1: one\nlicense: mit\n---\n# Body\n", source_repo=None)
+    text = make_model_card(output, source_card="---\n1: one\nlicense: mit\n---\n# Body\n",
+                           source_repo=None)
     assert text.endswith("## Original model card\n\n# Body\n")
 
 
 def test_card_lists_modules_kept_canonical(tmp_path):
-    # K=288 of down_proj is not a multiple of 256: trtllm keeps it canonical with --on-ineligible keep
+    # K=288 of down_proj is not a multiple of 256: trtllm keeps it canonical with
+    # --on-ineligible keep
     spec = SynthSpec(layers=1, hidden=256, intermediate=288, heads=4, kv_heads=2, vocab=256)
     out = convert(str(write_checkpoint(tmp_path / "src", spec)), "trtllm", tmp_path / "out",
                   on_ineligible="keep").output
@@ -192,12 +202,14 @@ def test_card_lists_modules_kept_canonical(tmp_path):
 
 
 def test_card_summarizes_quantized_modules(tmp_path):
-    spec = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, dialect="dense")
+    spec = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256,
+                     dialect="dense")
     out = convert(str(write_checkpoint(tmp_path / "src", spec)), "cutlass", tmp_path / "out").output
     errors = json.loads((Path(out) / COMPLETE_MARKER).read_text())["quantization_errors"]
     worst = min(errors, key=lambda n: errors[n]["sqnr_db"])
     rows = table(make_model_card(out, source_card=None, source_repo=None))
-    assert rows["quantized here"] == (f"{len(errors)} quantize; lowest SQNR {errors[worst]['sqnr_db']:.1f} dB "
+    lowest = errors[worst]["sqnr_db"]
+    assert rows["quantized here"] == (f"{len(errors)} quantize; lowest SQNR {lowest:.1f} dB "
                                       f"(`{worst}`); per module in `{COMPLETE_MARKER}`")
 
 
@@ -207,7 +219,8 @@ def test_card_takes_the_completion_record_of_a_staging_folder(trtllm_output, tmp
               "b": {"action": "quantize", "rel_fro": 0.02, "sqnr_db": 33.31}}
     rows = table(make_model_card(stage, source_card=None, source_repo=None,
                                  completion={"backend": "trtllm", "quantization_errors": errors}))
-    assert rows["quantized here"] == f"1 quantize, 1 requantize; lowest SQNR 33.3 dB (`b`); per module in `{COMPLETE_MARKER}`"
+    assert rows["quantized here"] == ("1 quantize, 1 requantize; lowest SQNR 33.3 dB (`b`); "
+                                      f"per module in `{COMPLETE_MARKER}`")
 
 
 def test_card_of_canonical_output(trtllm_output, tmp_path):
@@ -223,8 +236,10 @@ def test_card_of_canonical_output(trtllm_output, tmp_path):
 
 
 def test_card_refuses_folder_without_marker(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {"quant_method": "mxfp8"}}))
-    with pytest.raises(MarkerError, match=r"config.json: quantization_config is not an mxfp8-convert marker$"):
+    config = {"quantization_config": {"quant_method": "mxfp8"}}
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(MarkerError,
+                       match=r"config.json: quantization_config is not an mxfp8-convert marker$"):
         make_model_card(tmp_path, source_card=None, source_repo=None)
 
 
@@ -248,8 +263,10 @@ def test_write_model_card_replaces_source_readme(trtllm_output, tmp_path):
     data = (stage / "README.md").read_bytes()
     assert (size, digest) == (len(data), xxhash.xxh3_128(data).hexdigest())
     text = data.decode()
-    assert "# src (MXFP8, FlashInfer trtllm layout)" in text  # titled after the source, not the temp folder
-    assert text.endswith("## Original model card\n\n# synthetic model\n\nMade by mxfp8_convert.synth for tests and demos.\n")
+    # titled after the source, not the temp folder
+    assert "# src (MXFP8, FlashInfer trtllm layout)" in text
+    assert text.endswith("## Original model card\n\n# synthetic model\n\n"
+                         "Made by mxfp8_convert.synth for tests and demos.\n")
 
 
 def test_write_model_card_reads_hub_snapshot_path(trtllm_output, tmp_path):
@@ -259,7 +276,8 @@ def test_write_model_card_reads_hub_snapshot_path(trtllm_output, tmp_path):
     write_model_card(stage, snap, repo_id="me/model-x-trtllm")
     text = (stage / "README.md").read_text()
     assert ModelCard(text).data.base_model == "org/model-x"
-    assert table(text)["source"] == "[`org/model-x`](https://huggingface.co/org/model-x) at `0123abcd`"
+    assert table(text)["source"] == (
+        "[`org/model-x`](https://huggingface.co/org/model-x) at `0123abcd`")
     assert 'snapshot_download("me/model-x-trtllm")' in text
 
 
@@ -288,7 +306,8 @@ def fake_api() -> mock.Mock:
     """An HfApi double with HfApi's real signatures (autospec), so a wrong argument fails."""
     api = mock.create_autospec(HfApi, instance=True)
     api.upload_folder.return_value = CommitInfo(
-        commit_url="https://huggingface.co/me/m/commit/abc", commit_message="m", commit_description="", oid="abc")
+        commit_url="https://huggingface.co/me/m/commit/abc", commit_message="m",
+        commit_description="", oid="abc")
     return api
 
 
@@ -298,14 +317,16 @@ def test_push_calls(trtllm_output):
     assert url == "https://huggingface.co/me/m/commit/abc"
     assert api.mock_calls == [
         mock.call.create_repo("me/m", private=False, exist_ok=True, repo_type="model"),
-        mock.call.upload_folder(folder_path=str(trtllm_output), repo_id="me/m", repo_type="model",
-                                revision=None, commit_message=f"Upload trtllm MXFP8 layout (mxfp8-convert {__version__})"),
+        mock.call.upload_folder(
+            folder_path=str(trtllm_output), repo_id="me/m", repo_type="model", revision=None,
+            commit_message=f"Upload trtllm MXFP8 layout (mxfp8-convert {__version__})"),
     ]
 
 
 def test_push_private_to_branch(trtllm_output):
     api = fake_api()
-    push_to_hub(trtllm_output, "me/m", private=True, revision="trtllm", commit_message="hi", api=api)
+    push_to_hub(trtllm_output, "me/m", private=True, revision="trtllm", commit_message="hi",
+                api=api)
     assert api.mock_calls == [
         mock.call.create_repo("me/m", private=True, exist_ok=True, repo_type="model"),
         mock.call.create_branch("me/m", branch="trtllm", exist_ok=True, repo_type="model"),
@@ -333,7 +354,10 @@ def test_push_refuses_folder_without_completion_marker(trtllm_output, tmp_path):
 def test_push_refuses_unreadable_completion_marker(trtllm_output, tmp_path):
     stage = staging_copy(trtllm_output, tmp_path / "bad")
     (stage / COMPLETE_MARKER).write_text("{not json")
-    with pytest.raises(OutputError, match=r"^.*mxfp8_convert.complete.json: unreadable completion marker \(.*\)$"):
+    with pytest.raises(
+        OutputError,
+        match=r"^.*mxfp8_convert.complete.json: unreadable completion marker \(.*\)$",
+    ):
         push_to_hub(stage, "me/m", api=fake_api())
 
 
@@ -348,11 +372,14 @@ def http_error(cls, status: int, msg: str = "boom"):
 
 
 @pytest.mark.parametrize("error, message", [
-    (http_error(RepositoryNotFoundError, 404), "me/m: repository not found on the Hub, or no access to it"),
+    (http_error(RepositoryNotFoundError, 404),
+     "me/m: repository not found on the Hub, or no access to it"),
     (http_error(HfHubHTTPError, 403), "me/m: the Hub refused the upload (HTTP 403)"),
-    (http_error(HfHubHTTPError, 500, "server exploded"), "me/m: upload to the Hub failed (HTTP 500: server exploded)"),
+    (http_error(HfHubHTTPError, 500, "server exploded"),
+     "me/m: upload to the Hub failed (HTTP 500: server exploded)"),
     (OfflineModeIsEnabled("offline"), "me/m: HF_HUB_OFFLINE is set, so nothing can be uploaded"),
-    (ConnectionError("network unreachable"), "me/m: upload to the Hub failed (ConnectionError: network unreachable)"),
+    (ConnectionError("network unreachable"),
+     "me/m: upload to the Hub failed (ConnectionError: network unreachable)"),
 ])
 def test_push_maps_hub_errors_to_one_line(trtllm_output, error, message):
     api = fake_api()
@@ -366,6 +393,7 @@ def test_push_maps_invalid_repo_id(trtllm_output):
     from huggingface_hub.errors import HFValidationError
 
     api = fake_api()
-    api.create_repo.side_effect = HFValidationError("Repo id must be in the form 'repo_name' or 'namespace/repo_name'")
+    api.create_repo.side_effect = HFValidationError(
+        "Repo id must be in the form 'repo_name' or 'namespace/repo_name'")
     with pytest.raises(OutputError, match=r"^'a/b/c': not a valid Hub repo id \(Repo id must be"):
         push_to_hub(trtllm_output, "a/b/c", api=api)

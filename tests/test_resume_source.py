@@ -94,7 +94,8 @@ def test_unchanged_source_keeps_the_finished_shard(tmp_path):
 
 
 def _hub_snapshot(cache: Path, src: Path, rev: str) -> Path:
-    """``src`` laid out as huggingface_hub caches it: ``snapshots/<rev>/<f>`` -> ``blobs/<sha256>``."""
+    """``src`` laid out as huggingface_hub caches it: ``snapshots/<rev>/<f>`` ->
+    ``blobs/<sha256>``."""
     blobs, snap = cache / "blobs", cache / "snapshots" / rev
     blobs.mkdir(parents=True, exist_ok=True)
     snap.mkdir(parents=True)
@@ -146,7 +147,8 @@ def test_finalize_refuses_a_part_whose_source_bytes_changed_and_the_rerun_part_r
     name = _first_shard_tensor(src, "mlp.down_proj.weight")
     begin, end = _tensor_span(src / FIRST, name)
     _rewrite_byte_keeping_mtime(src / FIRST, (begin + end) // 2)
-    with pytest.raises(OutputError, match=rf"shard {FIRST} \(part 0 of 3\) are not those it was converted from"):
+    with pytest.raises(OutputError,
+                       match=rf"shard {FIRST} \(part 0 of 3\) are not those it was converted from"):
         finalize(out)
     assert not out.exists()
     convert(src, "cutlass", out, part=(0, 3))

@@ -15,7 +15,8 @@ import pytest
 
 INTERPRETING = os.environ.get("TRITON_INTERPRET") == "1"
 ROOT = Path(__file__).resolve().parents[2]
-interp = pytest.mark.skipif(not INTERPRETING, reason="runs inside test_interpreter_suite's TRITON_INTERPRET=1 process")
+interp = pytest.mark.skipif(
+    not INTERPRETING, reason="runs inside test_interpreter_suite's TRITON_INTERPRET=1 process")
 
 
 def run_interpreter_suite(test_file: str, select: str) -> None:

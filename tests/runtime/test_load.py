@@ -1,4 +1,5 @@
-"""load_checkpoint: reads docs/FORMAT.md checkpoints byte for byte and refuses what it cannot trust."""
+"""load_checkpoint: reads docs/FORMAT.md checkpoints byte for byte and refuses what it cannot
+trust."""
 
 from __future__ import annotations
 
@@ -22,8 +23,10 @@ LAYOUTS = ("trtllm", "cutlass")
 
 def _weights(layout, seed=0):
     g = torch.Generator().manual_seed(seed)
-    shapes = {"model.layers.0.self_attn.kv_a_proj_with_mqa": (576, 512), "model.layers.0.mlp.up_proj": (256, 256)}
-    return {name: MXFP8Weight.from_canonical(*quantize_mxfp8(torch.randn(n, k, generator=g)), layout, name)
+    shapes = {"model.layers.0.self_attn.kv_a_proj_with_mqa": (576, 512),
+              "model.layers.0.mlp.up_proj": (256, 256)}
+    return {name: MXFP8Weight.from_canonical(*quantize_mxfp8(torch.randn(n, k, generator=g)),
+                                             layout, name)
             for name, (n, k) in shapes.items()}
 
 
@@ -113,7 +116,8 @@ def test_refuses_engine_that_cannot_run_it(tmp_path):
 
 def test_refuses_shard_marker_mismatch_or_absence(tmp_path):
     bad = make_marker("cutlass")
-    write_checkpoint(tmp_path / "a", _weights("trtllm"), backend="trtllm", shards=2, shard_marker=bad)
+    write_checkpoint(tmp_path / "a", _weights("trtllm"), backend="trtllm", shards=2,
+                     shard_marker=bad)
     with pytest.raises(MarkerError, match="shard marker differs"):
         load_checkpoint(tmp_path / "a")
     root = write_checkpoint(tmp_path / "b", _weights("trtllm"), backend="trtllm")
@@ -138,7 +142,8 @@ def test_refuses_bad_tensor_shapes(tmp_path):
     with safe_open(str(root / "model.safetensors"), "pt") as f:
         meta = f.metadata()
         tensors = {k: f.get_tensor(k) for k in f.keys()}
-    tensors[f"{name}.weight_scale_swizzled"] = tensors[f"{name}.weight_scale_swizzled"][:, :1].contiguous()
+    scale = f"{name}.weight_scale_swizzled"
+    tensors[scale] = tensors[scale][:, :1].contiguous()
     save_file(tensors, str(root / "model.safetensors"), metadata=meta)
     write_completion(root, "trtllm")
     with pytest.raises(LayoutError, match="scale of a"):
@@ -191,7 +196,8 @@ def test_reads_format_version_1_as_well(tmp_path):
 
 # --- the completion marker is checked in full (issue 22 item 7) -------------------------------
 def _sealed(tmp_path, shards=2):
-    return write_checkpoint(tmp_path / "ck", _weights("trtllm"), _other(), backend="trtllm", shards=shards)
+    return write_checkpoint(tmp_path / "ck", _weights("trtllm"), _other(), backend="trtllm",
+                            shards=shards)
 
 
 def _index(root):
@@ -225,7 +231,8 @@ def test_hash_check_catches_a_flipped_byte(tmp_path):
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0x01  # inside the last tensor's bytes: the size is unchanged
     shard.write_bytes(bytes(data))
-    with pytest.raises(MarkerError, match=f"^{shard}: xxh3_128 differs from mxfp8_convert.complete.json$"):
+    with pytest.raises(MarkerError,
+                       match=f"^{shard}: xxh3_128 differs from mxfp8_convert.complete.json$"):
         load_checkpoint(root, check_hashes=True)
     load_checkpoint(root)  # the default checks sizes only
 
@@ -235,11 +242,13 @@ def test_refuses_missing_or_unlisted_files(tmp_path):
     done = json.loads((root / COMPLETE_MARKER).read_text())
     del done["files"]["model-00001-of-00002.safetensors"]
     (root / COMPLETE_MARKER).write_text(json.dumps(done))
-    with pytest.raises(MarkerError, match="model-00001-of-00002.safetensors: not listed in mxfp8_convert.complete.json$"):
+    with pytest.raises(MarkerError, match="model-00001-of-00002.safetensors: "
+                                          "not listed in mxfp8_convert.complete.json$"):
         load_checkpoint(root)
     root = _sealed(tmp_path / "b")
     (root / "model-00002-of-00002.safetensors").unlink()
-    with pytest.raises(MarkerError, match="model-00002-of-00002.safetensors: listed in mxfp8_convert.complete.json "
+    with pytest.raises(MarkerError, match="model-00002-of-00002.safetensors: "
+                                          "listed in mxfp8_convert.complete.json "
                                           "but missing or not a file$"):
         load_checkpoint(root)
     root = _sealed(tmp_path / "c")
@@ -252,23 +261,27 @@ def test_refuses_missing_or_unlisted_files(tmp_path):
 def test_refuses_index_entries_outside_the_folder(tmp_path, how):
     """An index entry naming a shard outside the folder is refused, and that shard never read,
     even when it is a valid checkpoint shard (a decoy outside the folder)."""
-    decoy = write_checkpoint(tmp_path / "decoy", _weights("trtllm", seed=1), backend="trtllm", shards=2)
+    decoy = write_checkpoint(tmp_path / "decoy", _weights("trtllm", seed=1), backend="trtllm",
+                             shards=2)
     root = _sealed(tmp_path)
     outside = decoy / "model-00001-of-00002.safetensors"
     target = str(outside) if how == "absolute" else "../decoy/model-00001-of-00002.safetensors"
     _point_index_at(root, "model-00001-of-00002.safetensors", target)
-    with pytest.raises(SourceError, match=f"shard '{target}' is not a path inside the model folder$"):
+    with pytest.raises(SourceError,
+                       match=f"shard '{target}' is not a path inside the model folder$"):
         load_checkpoint(root)
 
 
 def test_refuses_a_shard_that_is_a_link_out_of_the_folder(tmp_path):
-    decoy = write_checkpoint(tmp_path / "decoy", _weights("trtllm"), _other(), backend="trtllm", shards=2)
+    decoy = write_checkpoint(tmp_path / "decoy", _weights("trtllm"), _other(), backend="trtllm",
+                             shards=2)
     root = _sealed(tmp_path)
     shard = root / "model-00001-of-00002.safetensors"
     shard.unlink()
-    shard.symlink_to(decoy / "model-00001-of-00002.safetensors")  # the same bytes: size and hash agree
-    with pytest.raises(SourceError, match="shard 'model-00001-of-00002.safetensors' is a link that leads "
-                                          "outside the model folder$"):
+    # the same bytes: size and hash agree
+    shard.symlink_to(decoy / "model-00001-of-00002.safetensors")
+    with pytest.raises(SourceError, match="shard 'model-00001-of-00002.safetensors' "
+                                          "is a link that leads outside the model folder$"):
         load_checkpoint(root, check_hashes=True)
 
 

@@ -30,8 +30,8 @@ from mxfp8_convert.runtime.reference import dequantize_mxfp8
 from tests.runtime.ckpt_writer import write_checkpoint
 from tests.runtime.tiny_llama import TinyLlama
 
-CFG = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2, "num_attention_heads": 4,
-       "num_key_value_heads": 2, "vocab_size": 512, "rms_norm_eps": 1e-5}
+CFG = {"hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 2,
+       "num_attention_heads": 4, "num_key_value_heads": 2, "vocab_size": 512, "rms_norm_eps": 1e-5}
 
 
 class EmulatedLinear(nn.Module):
@@ -63,10 +63,12 @@ def _source_model(seed=0):
 
 
 def _write(tmp_path, model, layout, shards):
-    quantized = {n: MXFP8Weight.quantize(m.weight.detach().float(), layout, n) for n, m in _linears(model).items()}
+    quantized = {n: MXFP8Weight.quantize(m.weight.detach().float(), layout, n)
+                 for n, m in _linears(model).items()}
     other = {k: v.detach().to(torch.bfloat16) for k, v in model.state_dict().items()
              if k.rsplit(".", 1)[0] not in quantized}
-    root = write_checkpoint(tmp_path / layout, quantized, other, backend=layout, shards=shards, config=CFG)
+    root = write_checkpoint(tmp_path / layout, quantized, other, backend=layout, shards=shards,
+                            config=CFG)
     return root, {n: w.canonical() for n, w in quantized.items()}
 
 
@@ -105,7 +107,8 @@ def test_tiny_llama_end_to_end(tmp_path, layout, shards):
 
 @pytest.mark.parametrize("layout", ["trtllm", "cutlass"])
 def test_model_from_real_converter(tmp_path, layout):
-    """Synthetic SGLang-MXFP8 source -> mxfp8_convert.convert -> TinyLlama(config.json) -> logits."""
+    """Synthetic SGLang-MXFP8 source -> mxfp8_convert.convert -> TinyLlama(config.json) ->
+    logits."""
     convert = pytest.importorskip("mxfp8_convert.convert").convert
     synth = pytest.importorskip("mxfp8_convert.synth")
     src = synth.write_checkpoint(tmp_path / "src", synth.SynthSpec())
@@ -127,7 +130,8 @@ def test_model_from_real_converter(tmp_path, layout):
     emulated = TinyLlama(ck.config).to(torch.bfloat16)
     emulated.load_state_dict({k: v for k, v in ck.tensors.items()}, strict=False)
     for name in report.replaced:
-        _swap(emulated, name, EmulatedLinear(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"]))
+        linear = EmulatedLinear(tensors[f"{name}.weight"], tensors[f"{name}.weight_scale_inv"])
+        _swap(emulated, name, linear)
     assert torch.equal(logits, emulated(ids))
 
 

@@ -1,4 +1,5 @@
-"""The fused-MoE runtime (``runtime/moe.py``) on CPU: reference, SM100 arguments, Triton interpreter.
+"""The fused-MoE runtime (``runtime/moe.py``) on CPU: reference, SM100 arguments, Triton
+interpreter.
 
 A tiny Qwen3-MoE-style layer (E=4 experts, top-2 with renormalized softmax weights, H=I=256,
 SwiGLU experts without bias) is quantized from bf16 with ``quantize.quantize_mxfp8`` (FlashInfer's
@@ -72,7 +73,13 @@ class TinyMoE:
         self.topk_weights, self.topk_ids = w / w.sum(-1, keepdim=True), ids
         # canonical MXFP8 (FlashInfer's recipe), stacked per expert
         self.q = {n: self._quantize(getattr(self, n), n) for n in ("gate", "up", "down")}
-        self.experts = MXFP8MoEWeights.from_canonical(self.q["up"], self.q["gate"], self.q["down"], "tiny.mlp.experts")
+        self.experts = MXFP8MoEWeights.from_canonical(self.q["up"], self.q["gate"], self.q["down"],
+                                                      "tiny.mlp.experts")
+
+    @property
+    def routed(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """``(x, topk_ids, topk_weights)``: the first three arguments of every MoE call."""
+        return self.x, self.topk_ids, self.topk_weights
 
     @staticmethod
     def _quantize(w, name):
@@ -131,7 +138,8 @@ def test_layout_round_trips_bytes(tiny):
 
 def test_weights_validation(tiny):
     ex = tiny.experts
-    fields = dict(w13=ex.w13, w13_scale=ex.w13_scale, w2=ex.w2, w2_scale=ex.w2_scale, hidden=256, intermediate=256)
+    fields = dict(w13=ex.w13, w13_scale=ex.w13_scale, w2=ex.w2, w2_scale=ex.w2_scale, hidden=256,
+                  intermediate=256)
     bad = [
         ({"w13": ex.w13.view(torch.uint8)}, "float8_e4m3fn"),
         ({"w13": ex.w13[:, :256]}, "shape"),
@@ -185,8 +193,8 @@ def test_reference_from_laid_out_is_exact(seed):
     m = TinyMoE(seed=seed)
     out = mxfp8_fused_moe(m.x, m.topk_ids, m.topk_weights, m.experts, engine="reference")
     assert out.dtype == torch.bfloat16 and out.shape == (m.t, m.h)
-    assert torch.equal(out, moe_from_dequantized(m.x, m.topk_ids, m.topk_weights, m.canonical_matrices, m.e))
-    assert torch.equal(out, mxfp8_fused_moe(m.x, m.topk_ids, m.topk_weights, m.experts))  # auto on CPU
+    assert torch.equal(out, moe_from_dequantized(*m.routed, m.canonical_matrices, m.e))
+    assert torch.equal(out, mxfp8_fused_moe(*m.routed, m.experts))  # auto on CPU
 
 
 def test_reference_matches_independent_loop(tiny):
@@ -201,12 +209,14 @@ def test_reference_matches_independent_loop(tiny):
 
 def test_mxfp8_layer_close_to_bf16_layer(tiny):
     out = reference_fused_moe(tiny.x, tiny.topk_ids, tiny.topk_weights, tiny.experts)
-    dq_weights = loop_layer(tiny, lambda e: (tiny.dq("gate", e), tiny.dq("up", e), tiny.dq("down", e)), quantized=False)
-    bf16 = loop_layer(tiny, lambda e: (tiny.gate[e].float(), tiny.up[e].float(), tiny.down[e].float()), quantized=False)
+    dq_weights = loop_layer(tiny, lambda e: (tiny.dq("gate", e), tiny.dq("up", e),
+                                             tiny.dq("down", e)), quantized=False)
+    bf16 = loop_layer(tiny, lambda e: (tiny.gate[e].float(), tiny.up[e].float(),
+                                       tiny.down[e].float()), quantized=False)
     assert rel(out, dq_weights) <= 0.07, rel(out, dq_weights)
     assert rel(out, bf16) <= 0.10, rel(out, bf16)
     # and the shared helper with quantize_activations=False is that dequantized-weights layer
-    unq = moe_from_dequantized(tiny.x, tiny.topk_ids, tiny.topk_weights, tiny.canonical_matrices, tiny.e,
+    unq = moe_from_dequantized(*tiny.routed, tiny.canonical_matrices, tiny.e,
                                quantize_activations=False)
     assert rel(unq, dq_weights) <= 1e-3
 
@@ -214,7 +224,8 @@ def test_mxfp8_layer_close_to_bf16_layer(tiny):
 def test_quantize_constructor_matches_flashinfer_recipe(tiny):
     built = MXFP8MoEWeights.quantize(tiny.up, tiny.gate, tiny.down)
     for f in ("w13", "w13_scale", "w2", "w2_scale"):
-        assert torch.equal(getattr(built, f).view(torch.uint8), getattr(tiny.experts, f).view(torch.uint8)), f
+        want = getattr(tiny.experts, f).view(torch.uint8)
+        assert torch.equal(getattr(built, f).view(torch.uint8), want), f
 
 
 # --------------------------------------------------------------------------------------------
@@ -231,8 +242,8 @@ def converted(tmp_path_factory):
     from mxfp8_convert import convert
     from mxfp8_convert.runtime import load_checkpoint
 
-    spec = synth.SynthSpec(layers=2, hidden=256, intermediate=256, heads=2, kv_heads=1, vocab=256, shards=2,
-                           experts=4, moe_intermediate=256)
+    spec = synth.SynthSpec(layers=2, hidden=256, intermediate=256, heads=2, kv_heads=1, vocab=256,
+                           shards=2, experts=4, moe_intermediate=256)
     root = tmp_path_factory.mktemp("moe_ckpt")
     src = synth.write_checkpoint(root / "src", spec)
     convert(src, "trtllm", root / "out")
@@ -257,7 +268,9 @@ def _converted_case(converted, block: str, seed: int = 0):
         name = f"{block}.{e}.{proj}"
         return dequantize_weight(source[f"{name}.weight"], source[f"{name}.weight_scale_inv"])
 
-    mats = lambda e: (torch.cat([dq(e, "up_proj"), dq(e, "gate_proj")]), dq(e, "down_proj"))  # noqa: E731
+    def mats(e):
+        return torch.cat([dq(e, "up_proj"), dq(e, "gate_proj")]), dq(e, "down_proj")
+
     return experts, x, ids, w, mats
 
 
@@ -270,7 +283,8 @@ def test_converted_checkpoint_layer(converted):
     assert blocks == ["model.layers.0.mlp.experts", "model.layers.1.mlp.experts"]
     for block in blocks:
         experts, x, ids, w, mats = _converted_case(converted, block)
-        assert (experts.num_experts, experts.hidden, experts.intermediate) == (4, spec.hidden, spec.moe_intermediate)
+        shape = (experts.num_experts, experts.hidden, experts.intermediate)
+        assert shape == (4, spec.hidden, spec.moe_intermediate)
         out = mxfp8_fused_moe(x, ids, w, experts)  # auto: the reference engine on CPU
         assert torch.equal(out, moe_from_dequantized(x, ids, w, mats, experts.num_experts)), block
     with pytest.raises(MarkerError, match="not a fused MoE block"):
@@ -285,7 +299,8 @@ def test_interp_converted_checkpoint(converted):
     staged = moe_from_dequantized(x, ids, w, mats, experts.num_experts, bf16_gemm_outputs=True)
     for method in ("loop", "grouped"):
         out = triton_fused_moe(x, ids, w, experts, method=method)
-        assert (out == staged).float().mean() >= 0.99 and rel(out, staged) <= 2e-3, (method, rel(out, staged))
+        same = (out == staged).float().mean()
+        assert same >= 0.99 and rel(out, staged) <= 2e-3, (method, rel(out, staged))
 
 
 # --------------------------------------------------------------------------------------------
@@ -314,10 +329,12 @@ def _fi():
 
 
 def _op_param_names(core) -> list[str]:
-    """Parameter names of the registered op ``trtllm_fp8_block_scale_moe_op``, from FlashInfer's source."""
+    """Parameter names of the registered op ``trtllm_fp8_block_scale_moe_op``, from FlashInfer's
+    source."""
     src = inspect.getsource(core._get_trtllm_moe_sm100_module_impl)
     sig = re.search(r"def trtllm_fp8_block_scale_moe_op\((.*?)\)\s*->", src, re.S)
-    assert sig, "FlashInfer's trtllm_fp8_block_scale_moe_op not found: re-read core.py for this version"
+    assert sig, ("FlashInfer's trtllm_fp8_block_scale_moe_op not found: "
+                 "re-read core.py for this version")
     return [p.split(":")[0].strip() for p in sig.group(1).split(",") if p.strip()]
 
 
@@ -343,8 +360,10 @@ def launch(monkeypatch):
 
 
 def _cpu_mxfp8_quantize(x, is_sf_swizzled_layout=True, **_):
-    """CPU stand-in for ``flashinfer.mxfp8_quantize``: same recipe, same flat uint8 scale buffer."""
-    assert is_sf_swizzled_layout is False, "the MXFP8 MoE launcher reads linear (token-major) scales"
+    """CPU stand-in for ``flashinfer.mxfp8_quantize``: same recipe, same flat uint8 scale
+    buffer."""
+    assert is_sf_swizzled_layout is False, (
+        "the MXFP8 MoE launcher reads linear (token-major) scales")
     q, code = quantize_mxfp8(x)
     return q, code.reshape(-1)
 
@@ -359,7 +378,8 @@ def flashinfer_checks(op: dict, m: TinyMoE) -> None:
     """Every check FlashInfer applies to these arguments before a kernel runs, on CPU.
 
     1. Python, ``flashinfer/fused_moe/runners.py`` (the MoE layer API's launch boundary for the
-       same kernel): ``_validate_prerouted_inputs`` and ``TrtllmFp8BlockRunner._validate_fp8_tensors``
+       same kernel): ``_validate_prerouted_inputs`` and
+       ``TrtllmFp8BlockRunner._validate_fp8_tensors``
        (exact MXFP8 shapes: hidden scale ``[T, H/32]`` uint8, weight scales ``[E, 2I, H/32]`` and
        ``[E, H, I/32]`` uint8, weights ``[E, 2I, H]`` / ``[E, H, I]`` e4m3).
     2. C++, transcribed from ``data/csrc/trtllm_fused_moe_kernel_launcher.cu`` (0.7.2.post1):
@@ -373,12 +393,17 @@ def flashinfer_checks(op: dict, m: TinyMoE) -> None:
     hs, sf = op["hidden_states"], op["hidden_states_scale"]
     ids, w = op["topk_ids"], op["expert_weights"]
     t, h = hs.shape
-    act = MoEActivationPack(hs, sf, ids, w, routing_input_mode=core.RoutingInputMode.UnpackedPrecomputed)
-    runners._validate_prerouted_inputs(act, t, op["top_k"], "mxfp8-convert", require_contiguous=True,
+    act = MoEActivationPack(hs, sf, ids, w,
+                            routing_input_mode=core.RoutingInputMode.UnpackedPrecomputed)
+    runners._validate_prerouted_inputs(act, t, op["top_k"], "mxfp8-convert",
+                                       require_contiguous=True,
                                        allowed_weights_dtypes=(torch.bfloat16, torch.float32))
-    runner = types.SimpleNamespace(_pair=(QuantFormat.MXFP8, QuantFormat.MXFP8), _num_weight_rows=op["local_num_experts"],
-                                   _intermediate_size=op["intermediate_size"], config=types.SimpleNamespace(activation=SwiGLU()))
-    view = {n: op[n] for n in ("gemm1_weights", "gemm1_weights_scale", "gemm2_weights", "gemm2_weights_scale")}
+    runner = types.SimpleNamespace(_pair=(QuantFormat.MXFP8, QuantFormat.MXFP8),
+                                   _num_weight_rows=op["local_num_experts"],
+                                   _intermediate_size=op["intermediate_size"],
+                                   config=types.SimpleNamespace(activation=SwiGLU()))
+    view = {n: op[n] for n in ("gemm1_weights", "gemm1_weights_scale", "gemm2_weights",
+                               "gemm2_weights_scale")}
     runners.TrtllmFp8BlockRunner._validate_fp8_tensors(runner, act, view, h)
 
     # --- C++ launcher checks (MxFp8, unpacked pre-computed routing, gated activation) ---
@@ -397,7 +422,8 @@ def flashinfer_checks(op: dict, m: TinyMoE) -> None:
     assert ids.dim() == 2 and ids.shape == (t, k) and ids.dtype == torch.int32
     assert w.dtype in (torch.bfloat16, torch.float32) and w.dim() == 2 and w.shape == (t, k)
     assert 0 < k <= n_exp and 0 < op["local_num_experts"] <= n_exp
-    assert 0 <= op["local_expert_offset"] and op["local_expert_offset"] + op["local_num_experts"] <= n_exp
+    assert 0 <= op["local_expert_offset"]
+    assert op["local_expert_offset"] + op["local_num_experts"] <= n_exp
     assert op["routing_method_type"] != 2  # not DeepSeekV3: then no groups
     assert (op["n_group"] or 0) <= 1 and (op["topk_group"] or 0) <= 1
     assert n_exp % 4 == 0 and n_exp > k
@@ -426,15 +452,21 @@ def test_routed_args_reach_launch(launch, tiny):
     # exactly our tensors, no copies: weights and the tile bytes viewed as FlashInfer's shapes
     assert op["gemm1_weights"] is ex.w13 and op["gemm2_weights"] is ex.w2
     s1, s2 = op["gemm1_weights_scale"], op["gemm2_weights_scale"]
-    assert s1.shape == (e, 2 * i, h // 32) and s1.dtype == torch.uint8 and s1.data_ptr() == ex.w13_scale.data_ptr()
-    assert s2.shape == (e, h, i // 32) and s2.dtype == torch.uint8 and s2.data_ptr() == ex.w2_scale.data_ptr()
-    assert torch.equal(s1.reshape(-1), ex.w13_scale.reshape(-1)) and torch.equal(s2.reshape(-1), ex.w2_scale.reshape(-1))
+    assert s1.shape == (e, 2 * i, h // 32) and s1.dtype == torch.uint8
+    assert s1.data_ptr() == ex.w13_scale.data_ptr()
+    assert s2.shape == (e, h, i // 32) and s2.dtype == torch.uint8
+    assert s2.data_ptr() == ex.w2_scale.data_ptr()
+    assert torch.equal(s1.reshape(-1), ex.w13_scale.reshape(-1))
+    assert torch.equal(s2.reshape(-1), ex.w2_scale.reshape(-1))
     q, code = quantize_mxfp8(tiny.x)
     assert op["hidden_states"].dtype == torch.float8_e4m3fn and op["hidden_states"].shape == (t, h)
     assert torch.equal(op["hidden_states"].view(torch.uint8), q.view(torch.uint8))
-    assert op["hidden_states_scale"].shape == (t, h // 32) and torch.equal(op["hidden_states_scale"], code)
-    assert op["topk_ids"].dtype == torch.int32 and torch.equal(op["topk_ids"], tiny.topk_ids.to(torch.int32))
-    assert op["expert_weights"].dtype == torch.float32 and torch.equal(op["expert_weights"], tiny.topk_weights.float())
+    assert op["hidden_states_scale"].shape == (t, h // 32)
+    assert torch.equal(op["hidden_states_scale"], code)
+    assert op["topk_ids"].dtype == torch.int32
+    assert torch.equal(op["topk_ids"], tiny.topk_ids.to(torch.int32))
+    assert op["expert_weights"].dtype == torch.float32
+    assert torch.equal(op["expert_weights"], tiny.topk_weights.float())
     expected = {
         "routing_logits": None, "routing_bias": None, "output": None,
         "num_experts": e, "top_k": k, "n_group": None, "topk_group": None, "intermediate_size": i,
@@ -473,7 +505,8 @@ def test_checks_have_teeth(launch, tiny):
     bad = {
         "4-D scale tiles": {"gemm1_weights_scale": ex.w13_scale},
         "flat scale buffer": {"gemm2_weights_scale": ex.w2_scale.reshape(-1)},
-        "FC1 scale as [E, 2I/32, H/32]": {"gemm1_weights_scale": ex.w13_scale.view(tiny.e, -1, 8)[:, :128]},
+        "FC1 scale as [E, 2I/32, H/32]": {
+            "gemm1_weights_scale": ex.w13_scale.view(tiny.e, -1, 8)[:, :128]},
         "swizzled activation scales": {"hidden_states_scale": swizzle_128x4(code).reshape(-1)},
         "transposed activation scales": {"hidden_states_scale": code.t().contiguous()},
         "bf16 activations": {"hidden_states": tiny.x},
@@ -490,7 +523,8 @@ def test_checks_have_teeth(launch, tiny):
         try:
             _rejected(launch, tiny, {**good, **change})
         except pytest.fail.Exception:
-            raise AssertionError(f"{why}: reached the kernel launch and passed every check") from None
+            raise AssertionError(
+                f"{why}: reached the kernel launch and passed every check") from None
 
 
 def test_engine_path_reaches_launch(launch, monkeypatch, tiny):
@@ -532,8 +566,8 @@ def test_our_preflight(tiny):
         trtllm_routed_moe_args(q, code, ids.long(), w, tiny.experts)
     with pytest.raises(LayoutError, match="E % 4"):
         three = TinyMoE(e=3, t=4, i=128, h=128)
-        trtllm_routed_moe_args(*quantize_mxfp8(three.x), three.topk_ids.to(torch.int32), three.topk_weights.float(),
-                               three.experts)
+        trtllm_routed_moe_args(*quantize_mxfp8(three.x), three.topk_ids.to(torch.int32),
+                               three.topk_weights.float(), three.experts)
 
 
 # --------------------------------------------------------------------------------------------
@@ -544,8 +578,8 @@ def test_interpreter_suite():
 
 
 def _check_triton(m: TinyMoE, out: torch.Tensor) -> None:
-    staged = moe_from_dequantized(m.x, m.topk_ids, m.topk_weights, m.canonical_matrices, m.e, bf16_gemm_outputs=True)
-    oracle = reference_fused_moe(m.x, m.topk_ids, m.topk_weights, m.experts)
+    staged = moe_from_dequantized(*m.routed, m.canonical_matrices, m.e, bf16_gemm_outputs=True)
+    oracle = reference_fused_moe(*m.routed, m.experts)
     assert not out.isnan().any()
     assert (out == staged).float().mean() >= 0.99 and rel(out, staged) <= 2e-3, rel(out, staged)
     assert rel(out, oracle) <= 0.03, rel(out, oracle)
@@ -556,15 +590,16 @@ def test_interp_loop_matches_oracles(tiny):
     from mxfp8_convert.runtime.hopper.config import GemmConfig
     from mxfp8_convert.runtime.moe import triton_fused_moe
 
-    _check_triton(tiny, triton_fused_moe(tiny.x, tiny.topk_ids, tiny.topk_weights, tiny.experts, method="loop"))
-    configs = [  # split-K with both reductions, fused / separate quantization, both MMA orientations
+    _check_triton(tiny, triton_fused_moe(*tiny.routed, tiny.experts, method="loop"))
+    # split-K with both reductions, fused / separate quantization, both MMA orientations
+    configs = [
         (GemmConfig(64, 16, 128, split_k=2, fuse_quant=True, serial_reduce=True),
          GemmConfig(128, 16, 64, split_k=1, fuse_quant=False)),
         (GemmConfig(128, 32, 64, split_k=3, fuse_quant=False, serial_reduce=False),
          GemmConfig(64, 16, 128, split_k=2, fuse_quant=True, serial_reduce=False)),
     ]
     for cfg in configs:
-        _check_triton(tiny, triton_fused_moe(tiny.x, tiny.topk_ids, tiny.topk_weights, tiny.experts, configs=cfg))
+        _check_triton(tiny, triton_fused_moe(*tiny.routed, tiny.experts, configs=cfg))
 
 
 @interp
@@ -574,10 +609,11 @@ def test_interp_grouped_matches_oracles(tiny):
     from mxfp8_convert.runtime.hopper.grouped_moe import GroupedConfig
     from mxfp8_convert.runtime.moe import triton_fused_moe
 
-    loop = triton_fused_moe(tiny.x, tiny.topk_ids, tiny.topk_weights, tiny.experts, method="loop")
-    for cfg in (None, GroupedConfig(64, 32, 128), GroupedConfig(128, 16, 64), GroupedConfig(128, 128, 64, 8, 3)):
-        out = triton_fused_moe(tiny.x, tiny.topk_ids, tiny.topk_weights, tiny.experts, method="grouped",
-                               grouped_config=cfg)
+    loop = triton_fused_moe(*tiny.routed, tiny.experts, method="loop")
+    configs = (None, GroupedConfig(64, 32, 128), GroupedConfig(128, 16, 64),
+               GroupedConfig(128, 128, 64, 8, 3))
+    for cfg in configs:
+        out = triton_fused_moe(*tiny.routed, tiny.experts, method="grouped", grouped_config=cfg)
         _check_triton(tiny, out)
         assert torch.equal(out, loop), cfg
 
@@ -589,12 +625,13 @@ def test_interp_uneven_routing_and_small_intermediate():
     from mxfp8_convert.runtime.moe import triton_fused_moe
 
     m = TinyMoE(e=8, h=256, i=128, t=40, k=3, seed=5)
-    ids = torch.stack([torch.zeros(m.t, dtype=torch.long), torch.arange(m.t) % 6 + 1, torch.full((m.t,), 6)], 1)
+    ids = torch.stack([torch.zeros(m.t, dtype=torch.long), torch.arange(m.t) % 6 + 1,
+                       torch.full((m.t,), 6)], 1)
     ids[::7, 2] = 1  # expert 7 idle, expert 0 has every token
     ids[::7, 1] = 2
     m.topk_ids = ids
     for method in ("loop", "grouped"):
-        _check_triton(m, triton_fused_moe(m.x, m.topk_ids, m.topk_weights, m.experts, method=method))
+        _check_triton(m, triton_fused_moe(*m.routed, m.experts, method=method))
 
 
 @interp
@@ -627,14 +664,17 @@ def test_grouped_kernel_compiles_for_hopper(swiglu):
         ptxas = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "ptxas"
     if not ptxas.is_file():
         pytest.skip("Triton's bundled ptxas not found")
-    sig = {"a_ptr": "*bf16", "src_ptr": "*i32", "w_ptr": "*fp8e4nv", "s_ptr": "*i32", "out_ptr": "*bf16",
+    sig = {"a_ptr": "*bf16", "src_ptr": "*i32", "w_ptr": "*fp8e4nv", "s_ptr": "*i32",
+           "out_ptr": "*bf16",
            "sched_ptr": "*i32", "num_tiles": "i32", "N": "i32", "K": "i32", "stride_a": "i32",
            "w_expert_stride": "i32", "s_expert_words": "i32", "scale_cp4": "i32"}
-    const = {"GATHER": swiglu, "SWIGLU": swiglu, "DOT_BF16": True, "BLOCK_N": 64, "BLOCK_M": 16, "BLOCK_K": 128}
+    const = {"GATHER": swiglu, "SWIGLU": swiglu, "DOT_BF16": True, "BLOCK_N": 64, "BLOCK_M": 16,
+             "BLOCK_K": 128}
     sig.update(dict.fromkeys(const, "constexpr"))
     attrs = {(j,): [["tt.divisibility", 16]] for j in (0, 1, 2, 3, 4, 5, 7, 8, 9, 10, 11)}
-    kernel = triton.compile(ASTSource(fn=_grouped_mxfp8_kernel, signature=sig, constexprs=const, attrs=attrs),
-                            target=GPUTarget("cuda", 90, 32), options={"num_warps": 4, "num_stages": 4})
+    source = ASTSource(fn=_grouped_mxfp8_kernel, signature=sig, constexprs=const, attrs=attrs)
+    kernel = triton.compile(source, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": 4, "num_stages": 4})
     ptx = kernel.asm["ptx"]
     assert "wgmma.mma_async" in ptx and "cp.async" in ptx
     path = Path(os.environ.get("TMPDIR", "/tmp")) / f"grouped_moe_{os.getpid()}_{int(swiglu)}.ptx"

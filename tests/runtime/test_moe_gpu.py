@@ -24,7 +24,8 @@ DEVICE = "cuda"  # the functions below also run on CPU under TRITON_INTERPRET=1 
 
 
 def _bench():
-    spec = importlib.util.spec_from_file_location("bench_moe_runtime", ROOT / "benchmarks" / "bench_moe_runtime.py")
+    spec = importlib.util.spec_from_file_location(
+        "bench_moe_runtime", ROOT / "benchmarks" / "bench_moe_runtime.py")
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
     return mod
@@ -32,7 +33,8 @@ def _bench():
 
 def _check(out, x, ids, w, mats, e):
     assert out.dtype == torch.bfloat16 and out.shape == x.shape and not out.isnan().any()
-    staged = moe_from_dequantized(x, ids, w, mats, e, bf16_gemm_outputs=True, out_dtype=torch.float64)
+    staged = moe_from_dequantized(x, ids, w, mats, e, bf16_gemm_outputs=True,
+                                  out_dtype=torch.float64)
     oracle = moe_from_dequantized(x, ids, w, mats, e, out_dtype=torch.float64)
     rs = float((out.double() - staged).norm() / staged.norm())
     ro = float((out.double() - oracle).norm() / oracle.norm())
@@ -67,7 +69,8 @@ def test_skewed_routing(method):
     experts, canon = bench.build_experts(e, h, i, DEVICE, seed=2)
     x, _, w = bench.random_routing(t, e, k, h, DEVICE, seed=3)
     r = torch.arange(t, device=DEVICE)
-    ids = torch.stack([torch.zeros_like(r), 1 + r % 12, 1 + (r + 4) % 12, 1 + (r + 8) % 12], 1)  # 13-15 idle
+    # experts 13-15 idle
+    ids = torch.stack([torch.zeros_like(r), 1 + r % 12, 1 + (r + 4) % 12, 1 + (r + 8) % 12], 1)
     out = triton_fused_moe(x, ids, w, experts, method=method)
     _check(out, x, ids, w, bench.canonical_matrices(canon), e)
 
@@ -80,8 +83,9 @@ def test_grouped_configs_agree():
     experts, canon = bench.build_experts(e, h, i, DEVICE, seed=4)
     x, ids, w = bench.random_routing(t, e, k, h, DEVICE, seed=5)
     mats = bench.canonical_matrices(canon)
-    for cfg in (GroupedConfig(64, 16, 128, 4, 4), GroupedConfig(64, 32, 128, 4, 4), GroupedConfig(64, 64, 128, 4, 4),
-                GroupedConfig(128, 128, 64, 8, 3), GroupedConfig(128, 16, 64, 4, 3)):
+    for cfg in (GroupedConfig(64, 16, 128, 4, 4), GroupedConfig(64, 32, 128, 4, 4),
+                GroupedConfig(64, 64, 128, 4, 4), GroupedConfig(128, 128, 64, 8, 3),
+                GroupedConfig(128, 16, 64, 4, 3)):
         out = triton_fused_moe(x, ids, w, experts, method="grouped", grouped_config=cfg)
         _check(out, x, ids, w, mats, e)
 

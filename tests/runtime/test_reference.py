@@ -1,4 +1,5 @@
-"""The reference recipe and engine: FlashInfer's quantization, exact dequantization, float32 matmul."""
+"""The reference recipe and engine: FlashInfer's quantization, exact dequantization, float32
+matmul."""
 
 from __future__ import annotations
 
@@ -33,7 +34,8 @@ def test_ue8m0_matches_flashinfer_host_code():
     g = torch.Generator().manual_seed(0)
     v = torch.cat([
         torch.exp2(torch.randint(-140, 128, (2000,), generator=g).float()),  # powers of two
-        torch.rand(2000, generator=g) * torch.exp2(torch.randint(-130, 120, (2000,), generator=g).float()),
+        torch.rand(2000, generator=g)
+        * torch.exp2(torch.randint(-130, 120, (2000,), generator=g).float()),
         torch.tensor([0.0, 2.0**-127, 2.0**-127 * 1.5, 2.0**-126, 3.0e38, 1.0, 1.0000001]),
     ]).float()
     got = ue8m0_ceil(v)
@@ -47,9 +49,11 @@ def test_quantize_recipe_by_hand():
     x[1, 32:] = 1000.0  # amax 1000 -> 2^2 -> code 129; 1000/4 = 250 -> e4m3 256 (RNE, step 16)
     q, code = quantize_mxfp8(x)
     assert code.tolist() == [[120, 0], [0, 129]]
-    assert q[0, :32].float().mul(2.0**-7).sub(x[0, :32]).abs().max() <= 2.0**-7 * 16  # half a step (32 in [256, 448])
+    # within half a step (32 in [256, 448])
+    assert q[0, :32].float().mul(2.0**-7).sub(x[0, :32]).abs().max() <= 2.0**-7 * 16
     assert torch.all(q[1, 32:].float() == 256.0)
-    assert torch.all(q[0, 32:].view(torch.uint8) == 0) and torch.all(q[1, :32].view(torch.uint8) == 0)
+    assert torch.all(q[0, 32:].view(torch.uint8) == 0)
+    assert torch.all(q[1, :32].view(torch.uint8) == 0)
 
 
 def test_quantize_is_rne_and_saturating():
@@ -66,7 +70,8 @@ def test_dequantize_is_exact(dtype):
     q, code = quantize_mxfp8(x)
     deq = dequantize_mxfp8(q, code)
     # exact: q has 4 significant bits, the scale is a power of two
-    assert torch.equal(deq, q.double().reshape(64, 8, 32).mul(torch.exp2(code.double() - 127)[..., None]).reshape(64, 256).float())
+    scales = torch.exp2(code.double() - 127)[..., None]
+    assert torch.equal(deq, q.double().reshape(64, 8, 32).mul(scales).reshape(64, 256).float())
     assert torch.equal(deq.to(torch.bfloat16).float(), deq)  # and representable in bf16
     rel = (deq - x.float()).norm() / x.float().norm()
     assert rel < 0.05
@@ -85,7 +90,8 @@ def test_reference_linear_is_float32_of_exact_operands():
     qw, cw = quantize_mxfp8(w)
     out = reference_linear(x, qw, cw, b)
     assert out.shape == (3, 5, 96) and out.dtype == torch.bfloat16
-    ref = fake_quantize_mxfp8(x.reshape(-1, 128)).double() @ dequantize_mxfp8(qw, cw).double().t() + b.double()
+    a = fake_quantize_mxfp8(x.reshape(-1, 128)).double()
+    ref = a @ dequantize_mxfp8(qw, cw).double().t() + b.double()
     err = (out.reshape(-1, 96).double() - ref).abs() / ref.abs().clamp_min(1e-3)
     assert err.max() <= 2.0**-8 + 1e-6  # one bf16 rounding of an fp32 sum
     assert not math.isnan(float(out.float().sum()))

@@ -89,7 +89,8 @@ def test_mm_mxfp8_reaches_launch(sm100, layout, m, n, k):
 @pytest.mark.parametrize("layout", ["trtllm", "cutlass"])
 def test_engine_path_reaches_launch(sm100, monkeypatch, layout):
     """The engine itself: its quantize call, its argument building, FlashInfer's checks."""
-    monkeypatch.setattr(fi, "mxfp8_quantize", lambda x, is_sf_swizzled_layout: flashinfer_style_quantize(x))
+    monkeypatch.setattr(fi, "mxfp8_quantize",
+                        lambda x, is_sf_swizzled_layout: flashinfer_style_quantize(x))
     w = MXFP8Weight.quantize(torch.randn(576, 7168), layout)
     with pytest.raises(ReachedLaunch):
         flashinfer_linear(torch.randn(1, 7168).bfloat16(), w)
@@ -105,16 +106,20 @@ def _expect_rejected(args, match: str):
 @pytest.mark.parametrize("layout", ["trtllm", "cutlass"])
 def test_checks_have_teeth(sm100, layout):
     args, w = _args(layout, 16, 576, 7168)
-    _expect_rejected({**args, "b": w.data}, r"K dimension mismatch .* b.shape\[0\]=576")  # W, not W.t()
+    _expect_rejected({**args, "b": w.data},  # W, not W.t()
+                     r"K dimension mismatch .* b.shape\[0\]=576")
     _expect_rejected({**args, "b_descale": w.scale},  # 3-D tiles, not the flat buffer
-                     r"b_descale must be 1D \(swizzled\) or 2D \(non-swizzled\), got torch.Size\(\[5, 56, 512\]\)")
+                     r"b_descale must be 1D \(swizzled\) or 2D \(non-swizzled\), "
+                     r"got torch.Size\(\[5, 56, 512\]\)")
     _expect_rejected({**args, "b_descale": w.scale.reshape(-1)[:-512]},  # one tile short
-                     r"b_descale shape mismatch for swizzled layout. Expected \(143360,\), got torch.Size\(\[142848\]\)")
+                     r"b_descale shape mismatch for swizzled layout. Expected \(143360,\), "
+                     r"got torch.Size\(\[142848\]\)")
     _expect_rejected({**args, "a_descale": args["a_descale"].reshape(-1, 4)},  # 2-D (linear) scales
                      r"a_descale shape mismatch for non-swizzled layout")
     _expect_rejected({**args, "a": args["a"].view(torch.uint8)},  # wrong dtype
                      r"a must be a float8_e4m3fn tensor, got a.dtype=torch.uint8")
-    _expect_rejected({**args, "out_dtype": torch.float32}, r"Unsupported output dtype: torch.float32")
+    _expect_rejected({**args, "out_dtype": torch.float32},
+                     r"Unsupported output dtype: torch.float32")
 
 
 def test_trtllm_rejects_k_not_multiple_of_256(sm100):

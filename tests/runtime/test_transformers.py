@@ -244,7 +244,8 @@ def test_experts_of_another_activation_refused(tmp_path):
     src, _ = _source(tmp_path, "qwen3_moe")
     out = tmp_path / "out"
     convert(str(src), "trtllm", out)
-    ckpt = load_checkpoint(out)  # before the edit: the loader refuses a file the marker does not describe
+    # before the edit: the loader refuses a file the marker does not describe
+    ckpt = load_checkpoint(out)
     cfg = json.loads((out / "config.json").read_text())
     cfg["hidden_act"] = "gelu"
     (out / "config.json").write_text(json.dumps(cfg))

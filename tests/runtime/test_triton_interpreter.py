@@ -165,7 +165,8 @@ def test_gemv_is_the_rule_for_one_or_two_rows():
     one, two = choose_config(1, *mid, cpu), choose_config(2, *mid, cpu)
     assert one.kind is Kernel.GEMV and one.fuse_quant and one.block_m == 1
     assert two.kind is Kernel.GEMV and not two.fuse_quant and two.block_m == 2
-    assert one.block_n == 16 and choose_config(1, 2560, 4096, cpu).block_n == 32  # many long rows: 16-row programs
+    # many long rows: 16-row programs
+    assert one.block_n == 16 and choose_config(1, 2560, 4096, cpu).block_n == 32
     big = choose_config(1, *large, cpu)
     assert big.kind is Kernel.GEMV and not big.fuse_quant
     for m in (3, 4, 16, 2048):
@@ -224,7 +225,8 @@ def test_default_config_is_chosen_once_per_shape(monkeypatch):
     w, q, code, x = _case("trtllm", 2, 128, 256)
     calls = []
     real = tri.choose_config
-    monkeypatch.setattr(tri, "choose_config", lambda *a, **kw: calls.append(a[:3]) or real(*a, **kw))
+    monkeypatch.setattr(tri, "choose_config",
+                        lambda *a, **kw: calls.append(a[:3]) or real(*a, **kw))
     monkeypatch.delenv("MXFP8_PDL", raising=False)
     tri.default_config.cache_clear()
     outs = [tri.triton_linear(x, w) for _ in range(3)]
@@ -270,7 +272,8 @@ def test_activation_quantization_bit_exact():
         q, code = quantize_mxfp8(xt)
         assert torch.equal(got["code"], code)
         assert torch.equal(got["q"].view(torch.uint8), q.view(torch.uint8))
-        assert torch.equal(got["deq"], q.float().reshape(9, 32, 32).mul(torch.exp2(code.float() - 127)[..., None]).reshape(9, 1024))
+        scales = torch.exp2(code.float() - 127)[..., None]
+        assert torch.equal(got["deq"], q.float().reshape(9, 32, 32).mul(scales).reshape(9, 1024))
 
 
 @interp

@@ -20,7 +20,8 @@ class RMSNorm(nn.Module):
 
     def forward(self, x):
         xf = x.float()
-        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight.float()).to(x.dtype)
+        normed = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return (normed * self.weight.float()).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -39,7 +40,8 @@ class Attention(nn.Module):
         v = self.v_proj(x).view(b, t, self.kv_heads, self.hd).transpose(1, 2)
         rep = self.heads // self.kv_heads
         k, v = k.repeat_interleave(rep, 1), v.repeat_interleave(rep, 1)
-        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True).to(x.dtype)
+        y = F.scaled_dot_product_attention(q.float(), k.float(), v.float(), is_causal=True)
+        y = y.to(x.dtype)
         return self.o_proj(y.transpose(1, 2).reshape(b, t, -1))
 
 
@@ -51,7 +53,8 @@ class MLP(nn.Module):
         self.down_proj = nn.Linear(inter, hidden, bias=False)
 
     def forward(self, x):
-        return self.down_proj((F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()).to(x.dtype))
+        h = F.silu(self.gate_proj(x).float()) * self.up_proj(x).float()
+        return self.down_proj(h.to(x.dtype))
 
 
 class Layer(nn.Module):

@@ -1,6 +1,7 @@
 """Write ``hopper_configs.json``: the configs that the selection rules of commit a5719ef (the
 single-module ``runtime/triton_mxfp8.py``) chose for the model shapes and a few edge shapes, as
-the fixed expectation of ``tests/runtime/test_hopper_rules.py``. Run against that commit's tree, not this one:
+the fixed expectation of ``tests/runtime/test_hopper_rules.py``. Run against that commit's tree,
+not this one:
 
     git archive a5719ef | tar -x -C /tmp/a5719ef
     python tests/runtime/data/snapshot_configs.py /tmp/a5719ef
