@@ -228,8 +228,10 @@ class MXFP8MoEWeights:
         For test models and experiments; a real checkpoint is converted offline.
 
         Args:
-            up, gate: ``[E, I, H]`` (or E tensors ``[I, H]``) bf16/fp16/fp32.
+            up: ``[E, I, H]`` (or E tensors ``[I, H]``) bf16/fp16/fp32, ``up_proj`` (w3).
+            gate: same for ``gate_proj`` (w1), the activated half.
             down: ``[E, H, I]`` (or E tensors ``[H, I]``).
+            name: layer name for messages.
         """
         from mxfp8_convert.quantize import quantize_mxfp8 as quantize_weight
 
@@ -447,7 +449,8 @@ def moe_from_dequantized(
 
     Args:
         hidden_states: ``[T, H]``.
-        topk_ids, topk_weights: ``[T, k]``.
+        topk_ids: ``[T, k]`` expert ids.
+        topk_weights: ``[T, k]`` routing weights, used as given.
         matrices: ``e -> (w13 [2I, H] rows [up; gate], w2 [H, I])`` float tensors (logical order).
         num_experts: E.
         accum: matmul / sum dtype (float64: exact products and, for realistic data, exact sums).
@@ -561,6 +564,11 @@ def triton_fused_moe(
       summation order.
 
     Args:
+        hidden_states: ``[T, H]`` bf16/fp16/fp32 on the experts' device.
+        topk_ids: ``[T, k]`` integer expert ids in ``[0, E)``.
+        topk_weights: ``[T, k]`` float routing weights, used as given.
+        experts: the layer's :class:`MXFP8MoEWeights`.
+        activation: ``"swiglu"``.
         method: ``"loop"`` or ``"grouped"`` (default :data:`DEFAULT_TRITON_METHOD`).
         configs: loop only: ``(fc1, fc2)`` :class:`GemmConfig` for every expert (tests);
             default: the rule's choice per shape (``hopper.launch.default_config``).

@@ -90,7 +90,8 @@ def write_checkpoint(
         shards: 1 writes ``model.safetensors``; 2+ split weights and scales into different shards.
         config: extra config.json keys (model config).
         complete: write the completion marker (last).
-        marker, shard_marker: override the config.json / shard markers (for refusal tests).
+        marker: override the config.json marker (for refusal tests).
+        shard_marker: override the shards' marker (for refusal tests).
 
     Returns:
         ``Path(root)``.
