@@ -40,8 +40,8 @@ def main() -> int:
     ref = reference_linear(x.cpu(), *(t.cpu() for t in w.canonical()))  # from un-laid-out bytes
     err = float((y.float().cpu() - ref.float()).norm() / ref.float().norm())
     print(f"converted {result.source} -> {result.output} ({result.plan.backend})")
-    print(f"{name}: x {list(x.shape)} -> y {list(y.shape)} {y.dtype} on {device} with engine {engine}; "
-          f"relative difference to the reference {err:.2e}")
+    print(f"{name}: x {list(x.shape)} -> y {list(y.shape)} {y.dtype} on {device} "
+          f"with engine {engine}; relative difference to the reference {err:.2e}")
     return 0
 
 

@@ -18,7 +18,8 @@ from mxfp8_convert import BACKENDS, ConvertError, ProgressEvent, convert
 
 
 def progress_printer():
-    """A ``progress`` callback: prints each stage once, and each tensor as it starts transforming."""
+    """A ``progress`` callback: prints each stage once, and each tensor as it starts
+    transforming."""
     last = {"stage": None, "tensor": None}
 
     def on_event(event: ProgressEvent) -> None:
@@ -39,8 +40,8 @@ def summary(result) -> list[str]:
         f"source:   {result.source} ({result.plan.format})",
         f"backend:  {result.plan.backend}",
         f"modules:  {actions}",
-        f"tensors:  {sum(len(s['tensors']) for s in plan['shards'])} in {len(plan['shards'])} shard(s), "
-        f"{plan['total_bytes']} bytes",
+        f"tensors:  {sum(len(s['tensors']) for s in plan['shards'])} "
+        f"in {len(plan['shards'])} shard(s), {plan['total_bytes']} bytes",
         f"copied:   {', '.join(plan['copied_files']) or 'nothing'}",
     ]
     if plan["kept_canonical"]:
@@ -48,7 +49,8 @@ def summary(result) -> list[str]:
     if result.dry_run:
         lines.append(f"dry run: nothing written; output would be {result.output}")
     else:
-        lines.append(f"output:   {result.output} ({result.bytes_written} bytes in {result.seconds:.2f} s)")
+        lines.append(f"output:   {result.output} "
+                     f"({result.bytes_written} bytes in {result.seconds:.2f} s)")
     return lines
 
 

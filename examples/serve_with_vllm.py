@@ -30,9 +30,9 @@ def generate(model: str, tp: int, prompts: list[list[int]] | list[str], max_toke
     results = []
     for out in llm.generate(inputs, params):
         c = out.outputs[0]
-        results.append({"prompt_token_ids": list(out.prompt_token_ids), "token_ids": list(c.token_ids),
-                        "logprobs": [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)],
-                        "text": c.text})
+        logprobs = [lp[t].logprob for t, lp in zip(c.token_ids, c.logprobs, strict=True)]
+        results.append({"prompt_token_ids": list(out.prompt_token_ids),
+                        "token_ids": list(c.token_ids), "logprobs": logprobs, "text": c.text})
     return results
 
 
@@ -48,7 +48,8 @@ def main() -> None:
     ap.add_argument("--json", action="store_true", help="one JSON document on stdout")
     args = ap.parse_args()
     prompts = json.loads(args.prompt_ids) if args.prompt_ids else (args.prompt or ["Hello"])
-    results = generate(args.model, args.tp, prompts, args.max_tokens, args.dtype, args.enforce_eager)
+    results = generate(args.model, args.tp, prompts, args.max_tokens, args.dtype,
+                       args.enforce_eager)
     if args.json:
         print("RESULT " + json.dumps(results))
     else:
