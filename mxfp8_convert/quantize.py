@@ -263,9 +263,17 @@ def _quantize_chunk(
     return codes
 
 
-#: the float32 value of each e4m3 byte (0x7F / 0xFF, NaN, never come out of the quantizer): a
-#: table lookup is ~5x faster than torch's float8 -> float32 cast on CPU
-_E4M3_F32 = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+def _e4m3_pair_table() -> np.ndarray:
+    """The float32 values of every pair of e4m3 bytes, indexed by the pair read as a native
+    uint16, each entry the two float32 as one uint64 (65536 entries, 512 KiB). Looking values up
+    two at a time is ~10x faster than torch's float8 -> float32 cast on CPU (0.9 vs 8.9 ns per
+    byte; one byte at a time, 1.6 ns)."""
+    values = torch.arange(256, dtype=torch.uint8).view(torch.float8_e4m3fn).float().numpy()
+    pairs = np.arange(1 << 16, dtype=np.uint16).view(np.uint8).reshape(-1, 2)
+    return np.ascontiguousarray(values[pairs]).view(np.uint64).reshape(-1)
+
+
+_E4M3_PAIRS_F32 = _e4m3_pair_table()
 
 
 def _residual_f32(xf: torch.Tensor, q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -283,7 +291,8 @@ def _residual_f32(xf: torch.Tensor, q: torch.Tensor, codes: torch.Tensor) -> tor
     """
     n, k = xf.shape
     if q.device.type == "cpu":
-        deq = torch.from_numpy(np.take(_E4M3_F32, q.view(torch.uint8).numpy()))
+        pairs = q.reshape(-1).view(torch.uint8).numpy().view(np.uint16)
+        deq = torch.from_numpy(np.take(_E4M3_PAIRS_F32, pairs).view(np.float32).reshape(n, k))
     else:
         deq = q.to(torch.float32)
     deq.view(n, k // MX_BLOCK, MX_BLOCK).mul_(_exp2_f32(codes - UE8M0_BIAS).unsqueeze(-1))
