@@ -5,7 +5,9 @@ untied; random weights, no Hub), then times, interleaved in fresh processes: ``c
 ``sync`` of the same files, ``mxfp8-convert SRC --backend canonical``, and the plain
 load / quantize / save script ``naive_dense.py`` (+ ``sync``); optionally the converter of an
 older tree (``--baseline DIR``, e.g. ``git archive main | tar -x -C DIR``), whose output is then
-compared byte for byte with ours (``cmp``). Peak RSS of each child from ``os.wait4``.
+compared byte for byte with ours (``cmp``); and, for its share, a process that only builds the
+transformers architecture the converter consults. Wall and CPU time and peak RSS of each child
+from ``os.wait4``.
 
 Usage: python benchmarks/bench_dense.py [--dir /tmp/bench-dense] [--repeat 2] [--baseline DIR]
 """
@@ -23,8 +25,6 @@ import time
 from pathlib import Path
 
 HERE = Path(__file__).parent
-sys.path.insert(0, str(HERE))
-from _env import timed  # noqa: E402
 
 #: Llama-3.2-1B's config.json (meta-llama/Llama-3.2-1B), lm_head untied so that it is stored
 LLAMA_3_2_1B = {
@@ -77,20 +77,30 @@ def make_source(root: Path) -> Path:
     return root
 
 
-def run_round(src: Path, dst: Path, contenders: dict[str, list[str]], times: dict, rss: dict,
-              keep: Path | None) -> None:
-    """One interleaved round; each contender writes ``dst`` afresh (``keep``: the output of each
-    converter is moved there, under its name, for the byte comparison)."""
+def timed(cmd: list[str]) -> tuple[float, float, int]:
+    """Wall seconds, CPU seconds (user + system) and peak RSS (bytes) of one child, from
+    ``os.wait4``; this parent never imports torch, so the child's RSS is its own."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    wall = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{cmd} failed with exit code {os.waitstatus_to_exitcode(status)}")
+    return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
+
+
+def run_round(dst: Path, contenders: dict[str, list[str]], runs: dict, keep: Path) -> None:
+    """One interleaved round; each contender writes ``dst`` afresh (the converters' outputs are
+    moved to ``keep``, under their names, for the byte comparison). Writers but the converter,
+    which fsyncs its own output, are followed by a timed ``sync``."""
     for name, cmd in contenders.items():
         shutil.rmtree(dst, ignore_errors=True)
         subprocess.run(["sync"], check=True)
-        t, r = timed([*cmd, "-o", str(dst)] if cmd[0] != "cp" else [*cmd, str(dst)])
-        t_sync, _ = timed(["sync"])
+        wall, cpu, peak = timed([*cmd, str(dst)] if "{dst}" not in cmd else cmd)
+        if not name.startswith(("mxfp8-convert", "architecture")):
+            wall += timed(["sync"])[0]
+        runs.setdefault(name, []).append({"wall_s": wall, "cpu_s": cpu, "peak_rss": peak})
         if name.startswith("mxfp8-convert"):
-            t_sync = 0.0  # the converter fsyncs its own output
-        times.setdefault(name, []).append(t + t_sync)
-        rss[name] = max(rss.get(name, 0), r)
-        if keep is not None and name.startswith("mxfp8-convert"):
             shutil.rmtree(keep / name, ignore_errors=True)
             shutil.move(str(dst), keep / name)
 
@@ -124,35 +134,45 @@ def main() -> None:
     keep.mkdir(exist_ok=True)
     size = sum(p.stat().st_size for p in src.iterdir())
     tree = os.environ.get("PYTHONPATH", str(HERE.parent))
-    cli = ["-P", "-m", "mxfp8_convert", str(src), "--backend", "canonical", "--quiet"]
-    contenders = {"cp -r + sync": ["cp", "-r", str(src)],
-                  "mxfp8-convert canonical": ["env", f"PYTHONPATH={tree}", sys.executable, *cli],
-                  "naive_dense.py + sync": [sys.executable, str(HERE / "naive_dense.py"), str(src)]}
+    cli = ["-P", "-m", "mxfp8_convert", str(src), "--backend", "canonical", "--quiet", "-o"]
+    arch = ("import json, sys; from mxfp8_convert.architecture import architecture; "
+            "a = architecture(json.load(open(sys.argv[1]))); assert a.basis == 'architecture'")
+    contenders = {
+        "cp -r + sync": ["cp", "-r", str(src)],
+        "mxfp8-convert canonical": ["env", f"PYTHONPATH={tree}", sys.executable, *cli],
+        "naive_dense.py + sync": [sys.executable, str(HERE / "naive_dense.py"), str(src), "-o"],
+        # its share: a process that only builds the architecture (imports torch, transformers)
+        "architecture only": ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-c", arch,
+                              str(src / "config.json"), "{dst}"],
+    }
     if args.baseline:
         contenders["mxfp8-convert canonical@baseline"] = [
             "env", f"PYTHONPATH={Path(args.baseline).resolve()}", sys.executable, *cli]
     subprocess.run(["cat", str(src / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)
-    times: dict[str, list[float]] = {}
-    rss: dict[str, int] = {}
+    runs: dict[str, list[dict]] = {}
     for _ in range(args.repeat):
-        run_round(src, dst, contenders, times, rss, keep)
+        run_round(dst, contenders, runs, keep)
     shutil.rmtree(dst, ignore_errors=True)
     same = compare(keep, [n for n in contenders if n.startswith("mxfp8-convert")])
-    report(times, rss, size, same, args)
+    report(runs, size, same, args)
 
 
-def report(times: dict, rss: dict, size: int, same: bool, args) -> None:
-    cp = times["cp -r + sync"]
-    rows = []
+def report(runs: dict, size: int, same: bool, args) -> None:
+    """Per contender: median wall and CPU seconds, wall time over cp's in each round (the
+    spread), peak RSS; and the JSON under benchmarks/results/."""
+    cp = [r["wall_s"] for r in runs["cp -r + sync"]]
     print(f"source: {size / 1e9:.2f} GB BF16 (Llama-3.2-1B shapes), {args.repeat} interleaved "
-          f"rounds; load average {os.getloadavg()[0]:.1f}")
-    for name, ts in times.items():
-        ratios = [t / c for c, t in zip(cp, ts, strict=True)]
-        print(f"{name:34s} median {statistics.median(ts):6.2f} s  x cp per round "
-              f"{min(ratios):5.2f}-{max(ratios):5.2f}  peak RSS {rss[name] / 2**20:6.0f} MiB  "
-              f"runs {', '.join(f'{t:.2f}' for t in ts)}")
-        rows.append({"name": name, "seconds": ts, "times_cp_per_round": ratios,
-                     "peak_rss": rss[name]})
+          f"rounds; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
+          f"converter outputs identical: {same}")
+    rows = []
+    for name, rs in runs.items():
+        wall, cpu = [r["wall_s"] for r in rs], [r["cpu_s"] for r in rs]
+        ratios = [w / c for c, w in zip(cp, wall, strict=True)]
+        peak = max(r["peak_rss"] for r in rs)
+        print(f"{name:34s} wall {statistics.median(wall):6.2f} s (x cp per round "
+              f"{min(ratios):5.2f}-{max(ratios):5.2f})  CPU {statistics.median(cpu):6.2f} s  "
+              f"peak RSS {peak / 2**20:5.0f} MiB  walls {', '.join(f'{t:.2f}' for t in wall)}")
+        rows.append({"name": name, "runs": rs, "times_cp_per_round": ratios})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
