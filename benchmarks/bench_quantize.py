@@ -21,6 +21,7 @@ from mxfp8_convert.quantize import (
     per_tensor_fp8_to_mxfp8,
     quantization_error,
     quantize_mxfp8,
+    quantize_mxfp8_with_error,
 )
 
 
@@ -47,7 +48,8 @@ def environment(device: str) -> str:
     except importlib.metadata.PackageNotFoundError:
         fi = "not installed"
     where = torch.cuda.get_device_name() if device.startswith("cuda") else platform.processor()
-    return f"torch {torch.__version__}, flashinfer {fi}, device {device} ({where}), threads {torch.get_num_threads()}"
+    return (f"torch {torch.__version__}, flashinfer {fi}, device {device} ({where}), "
+            f"threads {torch.get_num_threads()}")
 
 
 def main() -> None:
@@ -72,6 +74,7 @@ def main() -> None:
         ("quantize_mxfp8 bf16", lambda: quantize_mxfp8(x), 2 * n * k + mx_bytes),
         ("dequantize_mxfp8 -> f32", lambda: dequantize_mxfp8(q, s), mx_bytes + 4 * n * k),
         ("quantization_error", lambda: quantization_error(x, q, s), 2 * n * k + mx_bytes),
+        ("quantize_mxfp8_with_error", lambda: quantize_mxfp8_with_error(x), 2 * n * k + mx_bytes),
         ("block_fp8 lossless", lambda: block_fp8_to_mxfp8(w, pow2), n * k + n * k // 32),
         ("block_fp8 requantize", lambda: block_fp8_to_mxfp8(w, odd), n * k + mx_bytes),
         (
@@ -82,7 +85,7 @@ def main() -> None:
     ]
     for label, fn, nbytes in cases:
         sec = median_seconds(fn, dev, args.repeats)
-        print(f"{label:28s} {sec * 1e3:9.2f} ms  {nbytes / sec / 1e9:8.2f} GB/s")
+        print(f"{label:30s} {sec * 1e3:9.2f} ms  {nbytes / sec / 1e9:8.2f} GB/s")
 
 
 if __name__ == "__main__":

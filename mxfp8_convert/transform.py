@@ -377,17 +377,15 @@ def canonical_module(
     from mxfp8_convert.quantize import (  # torch at import: only computed modules need it
         block_fp8_to_mxfp8,
         per_tensor_fp8_to_mxfp8,
-        quantization_error,
-        quantize_mxfp8,
+        quantize_mxfp8_with_error,
     )
 
     name = m.weight.name
     if m.fused is not None:
         return (*expert_from_fused(m, weight, scale), None)
     if m.source_kind == "dense":
-        ref = dense_weight(m, weight)
-        q, s = quantize_mxfp8(ref, name=name)
-        return q.view(torch.uint8), s, quantization_error(ref, q, s, name=name)
+        q, s, err = quantize_mxfp8_with_error(dense_weight(m, weight), name=name)
+        return q.view(torch.uint8), s, err
     if m.source_kind == "block_fp8":
         r = block_fp8_to_mxfp8(weight, scale, name=name, scale_name=m.scale.name)
         return r.q.view(torch.uint8), r.s, r.error

@@ -40,6 +40,7 @@ from mxfp8_convert.quantize import (
     per_tensor_fp8_to_mxfp8,
     quantization_error,
     quantize_mxfp8,
+    quantize_mxfp8_with_error,
 )
 
 F32_INV_448 = np.float32(1) / np.float32(448)  # the reference's ``1.f / 448.0f``
@@ -234,20 +235,25 @@ def test_ue8m0_rounding_rule_at_fp32_exponent_0xfe():
 def test_big_tensors_are_processed_in_bounded_chunks(monkeypatch):
     import mxfp8_convert.quantize as qmod
 
-    seen = []
+    quantized, summed = [], []
     real_quantize, real_error = qmod._quantize_chunk, qmod._error_sums
     monkeypatch.setattr(qmod, "_CHUNK_ELEMENTS", 4096)
     monkeypatch.setattr(
-        qmod, "_quantize_chunk", lambda xf, *a: (seen.append(xf.numel()), real_quantize(xf, *a))
+        qmod,
+        "_quantize_chunk",
+        lambda xf, *a: (quantized.append(xf.numel()), real_quantize(xf, *a))[1],
     )
     monkeypatch.setattr(
-        qmod, "_error_sums", lambda ref, *a: (seen.append(ref.numel()), real_error(ref, *a))[1]
+        qmod, "_error_sums", lambda ref, *a: (summed.append(ref.numel()), real_error(ref, *a))[1]
     )
     x = gaussian_blocks(300, 256, seed=23)
     q, s = quantize_mxfp8(x)
     quantization_error(x, q, s)
+    quantize_mxfp8_with_error(x)
     block_fp8_to_mxfp8(random_e4m3((300, 256), seed=23), torch.full((3, 2), 0.3))
-    assert len(seen) == 4 * (300 // 16) + 4 and max(seen) == 16 * 256  # 4096 // 256 = 16 rows
+    chunks = -(-300 // 16)  # 4096 // 256 = 16 rows
+    assert len(quantized) == 3 * chunks and max(quantized) == 16 * 256
+    assert len(summed) == chunks and max(summed) == 16 * 256  # quantization_error's own
 
 
 def test_non_contiguous_input():
@@ -310,7 +316,8 @@ static void dequant_block(const uint8_t* fp8_ptr, uint8_t fp8_scale, float* floa
   %(dequant)s
 }
 static std::vector<uint8_t> slurp(const char* path, size_t n) {
-  std::vector<uint8_t> b(n); FILE* f = fopen(path, "rb"); fread(b.data(), 1, n, f); fclose(f); return b;
+  std::vector<uint8_t> b(n); FILE* f = fopen(path, "rb");
+  fread(b.data(), 1, n, f); fclose(f); return b;
 }
 static void spill(const char* path, const void* p, size_t n) {
   FILE* f = fopen(path, "wb"); fwrite(p, 1, n, f); fclose(f);
@@ -320,7 +327,8 @@ int main(int argc, char** argv) {  // q NBLOCKS IN.f32 OUT.q OUT.s | d NBLOCKS I
   if (argv[1][0] == 'q') {
     auto x = slurp(argv[3], nb * 128);
     std::vector<uint8_t> q(nb * 32), s(nb);
-    for (long i = 0; i < nb; ++i) quant_block(reinterpret_cast<float*>(x.data()) + i * 32, &q[i * 32], &s[i]);
+    for (long i = 0; i < nb; ++i)
+      quant_block(reinterpret_cast<float*>(x.data()) + i * 32, &q[i * 32], &s[i]);
     spill(argv[4], q.data(), q.size()); spill(argv[5], s.data(), s.size());
   } else {
     auto q = slurp(argv[3], nb * 32); auto s = slurp(argv[4], nb);
@@ -597,7 +605,8 @@ def test_round_trip_half_precision(dtype):
 
 
 def test_quantization_error_golden():
-    # 1.0625 is a tie between e4m3 1.0 and 1.125 -> even -> 1.0 (code 120 = 2^-7: 1.0625/448 -> 2^-8.7).
+    # 1.0625 is a tie between e4m3 1.0 and 1.125 -> even -> 1.0
+    # (code 120 = 2^-7: 1.0625/448 -> 2^-8.7).
     ref = torch.full((2, 32), 1.0625)
     q, s = quantize_mxfp8(ref)
     assert dequantize_mxfp8(q, s).unique().tolist() == [1.0]
@@ -659,6 +668,96 @@ def test_quantization_error_rejects_bad_reference():
             s,
             name="w",
         )
+
+
+# --- quantize_mxfp8_with_error: one pass, the same bytes and the same float64 sums -----------
+
+
+def numpy_error(ref: torch.Tensor, q: torch.Tensor, s: torch.Tensor) -> tuple[float, float]:
+    """(rel_fro, sqnr_db) computed independently, all in numpy float64."""
+    deq = q.double().numpy() * np.exp2(np.repeat(s.numpy().astype(np.float64), 32, axis=1) - 127)
+    r = ref.double().numpy()
+    err2, ref2 = np.sum((deq - r) ** 2), np.sum(r**2)
+    return math.sqrt(err2 / ref2), 10 * math.log10(ref2 / err2)
+
+
+WIDE = [  # (name, tensor): data for the fused path, each in bfloat16, float16 and float32
+    ("gaussian", lambda: gaussian_blocks(96, 256, seed=31)),
+    ("code-0 and subnormal blocks", lambda: gaussian_blocks(64, 512, seed=32, lo=-150, hi=-100)),
+    ("every exponent", lambda: gaussian_blocks(64, 512, seed=33, lo=-140, hi=120)),
+    ("zeros, -0.0 and ties", lambda: torch.cat([torch.zeros(3, 64), torch.full((3, 64), -0.0),
+                                                 torch.full((3, 64), 1.0625)])),
+]
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16, torch.float32])
+@pytest.mark.parametrize("chunk_rows", [None, 7])
+@pytest.mark.parametrize(("label", "make"), WIDE, ids=[w[0] for w in WIDE])
+def test_with_error_is_quantize_and_quantization_error_bit_for_bit(label, make, chunk_rows, dtype):
+    x = make().to(dtype)
+    if dtype == torch.float16:
+        x = x.float().clamp(-60000, 60000).to(dtype)
+    q, s, err = quantize_mxfp8_with_error(x, chunk_rows=chunk_rows)
+    q0, s0 = quantize_mxfp8(x)
+    assert torch.equal(q.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s, s0)
+    assert err == quantization_error(x, q0, s0, chunk_rows=chunk_rows)  # the same bits
+    if torch.count_nonzero(x) and err.rel_fro > 0:
+        want_rel, want_db = numpy_error(x, q0, s0)
+        assert err.rel_fro == pytest.approx(want_rel, rel=1e-12)
+        assert err.sqnr_db == pytest.approx(want_db, rel=1e-12)
+
+
+def test_residual_is_the_exact_float64_difference():
+    # The float32 path's claim (quantize._residual_f32): deq - x is exact for codes <= 246,
+    # checked against float64 over every exponent float32 weights reach, and subnormals.
+    from mxfp8_convert.quantize import _F32_EXACT_MAX_CODE, _quantize_chunk, _residual_f32
+
+    for seed, (lo, hi) in enumerate([(-150, -120), (-60, 60), (60, 118)]):
+        x = gaussian_blocks(128, 256, seed=40 + seed, lo=lo, hi=hi)
+        q = torch.empty(x.shape, dtype=torch.float8_e4m3fn)
+        s = torch.empty((128, 8), dtype=torch.uint8)
+        codes = _quantize_chunk(x, q, s, "w", 0)
+        assert int(codes.max()) <= _F32_EXACT_MAX_CODE
+        deq = q.double().numpy() * np.exp2(np.repeat(s.numpy().astype(np.float64), 32, 1) - 127)
+        assert np.array_equal(_residual_f32(x, q, codes).double().numpy(), deq - x.double().numpy())
+
+
+def test_e4m3_pair_table_holds_every_pair_of_values():
+    from mxfp8_convert.quantize import _E4M3_PAIRS_F32
+
+    b = torch.arange(1 << 16, dtype=torch.int32)
+    pairs = torch.stack([b & 0xFF, b >> 8], 1).to(torch.uint8)  # little-endian uint16 -> bytes
+    want = pairs.view(torch.float8_e4m3fn).float().numpy()
+    got = _E4M3_PAIRS_F32.view(np.float32).reshape(-1, 2)
+    assert np.array_equal(got, want, equal_nan=True)
+
+
+def test_with_error_beyond_float32_range_takes_the_float64_path():
+    fmax = float(torch.finfo(torch.float32).max)  # code 247: the float32 path would overflow
+    q, s, err = quantize_mxfp8_with_error(block_of(fmax, rest=-fmax))
+    assert int(s[0, 0]) == 247
+    assert err.rel_fro == 2.0**104 / fmax  # see test_quantization_error_is_float64_beyond_...
+
+
+def test_with_error_exact_zero_and_bad_input():
+    assert quantize_mxfp8_with_error(torch.full((1, 32), 3.0))[2] == QuantError(0.0, math.inf)
+    assert quantize_mxfp8_with_error(torch.zeros(2, 64))[2] == QuantError(0.0, math.inf)
+    q, s, err = quantize_mxfp8_with_error(torch.zeros(0, 64))
+    assert q.shape == (0, 64) and s.shape == (0, 2) and err == QuantError(0.0, math.inf)
+    x = torch.ones(4, 64)
+    x[3, 33] = float("inf")
+    with pytest.raises(LayoutError, match=r"^w: non-finite value inf at row 3, column 33"):
+        quantize_mxfp8_with_error(x, name="w", chunk_rows=2)
+    with pytest.raises(LayoutError, match="float64"):
+        quantize_mxfp8_with_error(torch.ones(2, 64, dtype=torch.float64), name="w")
+
+
+def test_fp8_requantize_error_is_quantization_error_of_its_source_values():
+    w = random_e4m3((200, 384), seed=50)
+    scale = torch.rand(2, 3, generator=torch.Generator().manual_seed(5)) + 0.1
+    r = block_fp8_to_mxfp8(w, scale, chunk_rows=64)
+    src = w.float() * scale.repeat_interleave(128, 0)[:200].repeat_interleave(128, 1)
+    assert r.error == quantization_error(src, r.q, r.s, chunk_rows=64)
 
 
 # --- block FP8 (DeepSeek) ---------------------------------------------------------------------
@@ -736,7 +835,8 @@ def test_block_fp8_bad_scale_names_tensor(bad, shown):
     scale_inv[1, 0] = bad
     with pytest.raises(
         LayoutError,
-        match=rf"^q_proj\.weight_scale_inv: scale {shown} at index \[1, 0\] is not a finite positive number",
+        match=rf"^q_proj\.weight_scale_inv: scale {shown} at index \[1, 0\] "
+        r"is not a finite positive number",
     ):
         block_fp8_to_mxfp8(w, scale_inv, name="q_proj.weight")
 
@@ -857,6 +957,7 @@ def test_module_stays_pure():
         "math",
         "collections.abc",
         "dataclasses",
+        "numpy",  # tensor math too: the e4m3 table lookup
         "torch",
         "mxfp8_convert.errors",
     }
