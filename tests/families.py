@@ -1,13 +1,19 @@
 """Small checkpoints of real model families: the config keys and tensor names of their Hub
 checkpoints (transformers' model docs and configs), with small shapes.
 
-Each builder returns ``(config, tensors)``; ``write`` lays them out as a model folder, with
-any quantization side file (``hf_quant_config.json``, ``quant_config.json``).
+:data:`CONFIGS` holds each family's config keys; :func:`decoder` builds the tensors the decoder
+families here name alike (embeddings, final norm, ``lm_head``, per layer the two norms, the
+attention projections and dense MLPs), parametrised by where the family puts them; each
+family's builder adds what only it has. A builder returns the tensors (or ``(tensors, side
+file)`` for a quantized one); ``write`` lays them out as a model folder, with any quantization
+side file (``hf_quant_config.json``, ``quant_config.json``).
 """
 
 from __future__ import annotations
 
+import copy
 import json
+from functools import partial
 from pathlib import Path
 
 import torch
@@ -41,70 +47,146 @@ def write(
     return path
 
 
-# --- Llama (LlamaForCausalLM) -----------------------------------------------------------------
+# --- Config keys, per family (small values) ----------------------------------------------------
+
+#: keys every decoder family here sets alike
+_DECODER = {"tie_word_embeddings": False, "torch_dtype": "bfloat16"}
+
+CONFIGS: dict[str, dict] = {
+    "llama": {  # LlamaForCausalLM
+        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "hidden_size": 256, "intermediate_size": 512, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 2, "vocab_size": 256,
+        "rms_norm_eps": 1e-5, "max_position_embeddings": 4096, "rope_theta": 500000.0,
+        "hidden_act": "silu", "bos_token_id": 1, "eos_token_id": 2, **_DECODER,
+    },
+    "gpt_oss": {  # GptOssForCausalLM
+        "architectures": ["GptOssForCausalLM"], "model_type": "gpt_oss",
+        "hidden_size": 128, "intermediate_size": 128, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "num_key_value_heads": 1, "head_dim": 64, "vocab_size": 256,
+        "num_local_experts": 4, "num_experts_per_tok": 2, "experts_per_token": 2,
+        "sliding_window": 128, "layer_types": ["sliding_attention"], "rms_norm_eps": 1e-5,
+        "swiglu_limit": 7.0, "rope_theta": 150000, **_DECODER,
+    },
+    "llama4": {  # Llama4ForCausalLM (text)
+        "architectures": ["Llama4ForCausalLM"], "model_type": "llama4_text",
+        "hidden_size": 128, "intermediate_size": 128, "intermediate_size_mlp": 256,
+        "num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1,
+        "head_dim": 64, "vocab_size": 256, "num_local_experts": 2, "num_experts_per_tok": 1,
+        "interleave_moe_layer_step": 1, "rms_norm_eps": 1e-5, "rope_theta": 500000.0,
+        "use_qk_norm": True, **_DECODER,
+    },
+    "qwen2_vl": {  # Qwen2VLForConditionalGeneration
+        "architectures": ["Qwen2VLForConditionalGeneration"], "model_type": "qwen2_vl",
+        "hidden_size": 128, "intermediate_size": 256, "num_attention_heads": 2,
+        "num_hidden_layers": 1, "num_key_value_heads": 2, "vocab_size": 256,
+        "rms_norm_eps": 1e-6, "rope_theta": 1000000.0,
+        "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
+        "max_position_embeddings": 32768, "vision_start_token_id": 151652,
+        "image_token_id": 151655, "video_token_id": 151656, **_DECODER,
+        "vision_config": {
+            "depth": 1, "embed_dim": 128, "mlp_ratio": 4, "num_heads": 2, "in_chans": 3,
+            "hidden_size": 128, "patch_size": 14, "spatial_merge_size": 2,
+            "spatial_patch_size": 14, "temporal_patch_size": 2,
+        },
+    },
+    "qwen2_moe": {  # Qwen2MoeForCausalLM
+        "architectures": ["Qwen2MoeForCausalLM"], "model_type": "qwen2_moe",
+        "hidden_size": 128, "intermediate_size": 256, "moe_intermediate_size": 128,
+        "shared_expert_intermediate_size": 256, "num_experts": 2, "num_experts_per_tok": 1,
+        "decoder_sparse_step": 1, "num_hidden_layers": 1, "num_attention_heads": 2,
+        "num_key_value_heads": 2, "vocab_size": 256, "norm_topk_prob": False,
+        "rms_norm_eps": 1e-6, **_DECODER,
+    },
+    "bert": {  # BertForMaskedLM (an encoder: its own tensor names, bert_fp32)
+        "architectures": ["BertForMaskedLM"], "model_type": "bert",
+        "hidden_size": 128, "intermediate_size": 512, "num_hidden_layers": 1,
+        "num_attention_heads": 2, "vocab_size": 256, "max_position_embeddings": 512,
+        "type_vocab_size": 2, "hidden_act": "gelu", "layer_norm_eps": 1e-12,
+        "torch_dtype": "float32",
+    },
+}
 
 
-def llama_config(
-    hidden: int = 256,
-    intermediate: int = 512,
-    layers: int = 1,
-    heads: int = 2,
-    kv_heads: int = 2,
-    vocab: int = 256,
-) -> dict:
-    return {
-        "architectures": ["LlamaForCausalLM"],
-        "model_type": "llama",
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": layers,
-        "num_attention_heads": heads,
-        "num_key_value_heads": kv_heads,
-        "vocab_size": vocab,
-        "rms_norm_eps": 1e-5,
-        "max_position_embeddings": 4096,
-        "rope_theta": 500000.0,
-        "hidden_act": "silu",
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "bos_token_id": 1,
-        "eos_token_id": 2,
-    }
+def config(family: str, **keys) -> dict:
+    """A fresh copy of family ``family``'s config, ``keys`` (real config keys) replaced."""
+    return {**copy.deepcopy(CONFIGS[family]), **keys}
 
 
-def llama_linears(cfg: dict) -> dict[str, tuple[int, int]]:
-    h, i = cfg["hidden_size"], cfg["intermediate_size"]
-    hd = h // cfg["num_attention_heads"]
-    kv = cfg["num_key_value_heads"] * hd
+llama_config = partial(config, "llama")
+gpt_oss_config = partial(config, "gpt_oss")
+llama4_config = partial(config, "llama4")
+qwen2_vl_config = partial(config, "qwen2_vl")
+qwen2_moe_config = partial(config, "qwen2_moe")
+bert_config = partial(config, "bert")
+
+
+# --- The decoder tensors the families name alike -----------------------------------------------
+
+QKV = ("q_proj", "k_proj", "v_proj")
+
+
+def decoder_linears(
+    cfg: dict, *, lm: str = "model", mlps: dict[str, int] | None = None
+) -> dict[str, tuple[int, int]]:
+    """``{module: (N, K)}`` of every layer's attention projections and dense MLPs.
+
+    ``lm``: the language model's prefix; ``mlps``: ``{path in the layer: intermediate size}``
+    of its dense MLPs (default ``{"mlp": intermediate_size}``; ``{}`` for none).
+    """
+    h, heads, kv = cfg["hidden_size"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    hd = cfg.get("head_dim", h // heads)
+    mlps = {"mlp": cfg["intermediate_size"]} if mlps is None else mlps
     out = {}
     for layer in range(cfg["num_hidden_layers"]):
-        p = f"model.layers.{layer}"
+        p = f"{lm}.layers.{layer}"
         out |= {
-            f"{p}.self_attn.q_proj": (h, h),
-            f"{p}.self_attn.k_proj": (kv, h),
-            f"{p}.self_attn.v_proj": (kv, h),
-            f"{p}.self_attn.o_proj": (h, h),
-            f"{p}.mlp.gate_proj": (i, h),
-            f"{p}.mlp.up_proj": (i, h),
-            f"{p}.mlp.down_proj": (h, i),
+            f"{p}.self_attn.q_proj": (heads * hd, h),
+            f"{p}.self_attn.k_proj": (kv * hd, h),
+            f"{p}.self_attn.v_proj": (kv * hd, h),
+            f"{p}.self_attn.o_proj": (h, heads * hd),
         }
+        for mlp, i in mlps.items():
+            out |= {f"{p}.{mlp}.gate_proj": (i, h), f"{p}.{mlp}.up_proj": (i, h),
+                    f"{p}.{mlp}.down_proj": (h, i)}
     return out
 
 
-def llama_dense(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
-    g = gen(seed)
+def decoder(
+    cfg: dict,
+    g: torch.Generator,
+    *,
+    lm: str = "model",
+    bias: tuple[str, ...] = (),
+    mlps: dict[str, int] | None = None,
+) -> dict[str, torch.Tensor]:
+    """BF16 embeddings, final norm, ``lm_head`` and, per layer, the two norms and the linears of
+    :func:`decoder_linears` (``bias``: the attention projections that have one)."""
     h, v = cfg["hidden_size"], cfg["vocab_size"]
     t = {
-        "model.embed_tokens.weight": randn((v, h), g),
-        "model.norm.weight": torch.ones(h, dtype=BF16),
+        f"{lm}.embed_tokens.weight": randn((v, h), g),
+        f"{lm}.norm.weight": torch.ones(h, dtype=BF16),
         "lm_head.weight": randn((v, h), g),
     }
     for layer in range(cfg["num_hidden_layers"]):
         for norm in ("input_layernorm", "post_attention_layernorm"):
-            t[f"model.layers.{layer}.{norm}.weight"] = torch.ones(h, dtype=BF16)
-    for m, shape in llama_linears(cfg).items():
+            t[f"{lm}.layers.{layer}.{norm}.weight"] = torch.ones(h, dtype=BF16)
+    for m, shape in decoder_linears(cfg, lm=lm, mlps=mlps).items():
         t[f"{m}.weight"] = randn(shape, g)
+        if m.rpartition(".")[2] in bias:
+            t[f"{m}.bias"] = randn((shape[0],), g)
     return t
+
+
+# --- Llama (LlamaForCausalLM) and its quantized checkpoints ------------------------------------
+
+
+def llama_linears(cfg: dict) -> dict[str, tuple[int, int]]:
+    return decoder_linears(cfg)
+
+
+def llama_dense(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
+    return decoder(cfg, gen(seed))
 
 
 def modelopt_fp8(cfg: dict, *, kv_cache: bool = True, seed: int = 0) -> tuple[dict, dict]:
@@ -167,55 +249,20 @@ def autoawq(cfg: dict, seed: int = 0) -> tuple[dict, dict]:
     return t, {"zero_point": True, "q_group_size": 128, "w_bit": 4, "version": "GEMM"}
 
 
-# --- gpt-oss (GptOssForCausalLM) --------------------------------------------------------------
-
-
-def gpt_oss_config(hidden: int = 128, intermediate: int = 128, experts: int = 4) -> dict:
-    return {
-        "architectures": ["GptOssForCausalLM"],
-        "model_type": "gpt_oss",
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 64,
-        "vocab_size": 256,
-        "num_local_experts": experts,
-        "num_experts_per_tok": 2,
-        "experts_per_token": 2,
-        "sliding_window": 128,
-        "layer_types": ["sliding_attention"],
-        "rms_norm_eps": 1e-5,
-        "swiglu_limit": 7.0,
-        "rope_theta": 150000,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
+# --- gpt-oss (GptOssForCausalLM) ---------------------------------------------------------------
 
 
 def _gpt_oss_common(cfg: dict, g) -> dict[str, torch.Tensor]:
-    h, e, v = cfg["hidden_size"], cfg["num_local_experts"], cfg["vocab_size"]
-    hd, heads, kv = cfg["head_dim"], cfg["num_attention_heads"], cfg["num_key_value_heads"]
+    """Attention with biases on all four projections and sinks, a router with a bias; no dense
+    MLP (the experts are stacked, per builder below)."""
+    h, e = cfg["hidden_size"], cfg["num_local_experts"]
+    t = decoder(cfg, g, bias=(*QKV, "o_proj"), mlps={})
     p = "model.layers.0"
-    t = {
-        "model.embed_tokens.weight": randn((v, h), g),
-        "lm_head.weight": randn((v, h), g),
-        "model.norm.weight": torch.ones(h, dtype=BF16),
-        f"{p}.input_layernorm.weight": torch.ones(h, dtype=BF16),
-        f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=BF16),
-        f"{p}.self_attn.sinks": randn((heads,), g),
+    t |= {
+        f"{p}.self_attn.sinks": randn((cfg["num_attention_heads"],), g),
         f"{p}.mlp.router.weight": randn((e, h), g),
         f"{p}.mlp.router.bias": randn((e,), g),
     }
-    for proj, (n, k) in {
-        "q_proj": (heads * hd, h),
-        "k_proj": (kv * hd, h),
-        "v_proj": (kv * hd, h),
-        "o_proj": (h, heads * hd),
-    }.items():
-        t[f"{p}.self_attn.{proj}.weight"] = randn((n, k), g)
-        t[f"{p}.self_attn.{proj}.bias"] = randn((n,), g)
     return t
 
 
@@ -263,140 +310,54 @@ GPT_OSS_MXFP4_QC = {
 }
 
 
-# --- Llama-4 text (Llama4ForCausalLM) --------------------------------------------------------
-
-
-def llama4_config(hidden: int = 128, intermediate: int = 128, experts: int = 2) -> dict:
-    return {
-        "architectures": ["Llama4ForCausalLM"],
-        "model_type": "llama4_text",
-        "hidden_size": hidden,
-        "intermediate_size": intermediate,
-        "intermediate_size_mlp": 2 * intermediate,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 1,
-        "head_dim": 64,
-        "vocab_size": 256,
-        "num_local_experts": experts,
-        "num_experts_per_tok": 1,
-        "interleave_moe_layer_step": 1,
-        "rms_norm_eps": 1e-5,
-        "rope_theta": 500000.0,
-        "use_qk_norm": True,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
+# --- Llama-4 text (Llama4ForCausalLM) ----------------------------------------------------------
 
 
 def llama4_bf16(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """``feed_forward.experts.gate_up_proj [E, H, 2I]`` (gate the first half of the last axis),
     ``down_proj [E, I, H]``, a bf16 ``router`` and a dense ``shared_expert``."""
     g = gen(seed)
-    h, i, e, v = (
-        cfg["hidden_size"],
-        cfg["intermediate_size"],
-        cfg["num_local_experts"],
-        cfg["vocab_size"],
-    )
-    p = "model.layers.0"
-    t = {
-        "model.embed_tokens.weight": randn((v, h), g),
-        "lm_head.weight": randn((v, h), g),
-        "model.norm.weight": torch.ones(h, dtype=BF16),
-        f"{p}.input_layernorm.weight": torch.ones(h, dtype=BF16),
-        f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=BF16),
-        f"{p}.feed_forward.router.weight": randn((e, h), g),
-        f"{p}.feed_forward.experts.gate_up_proj": randn((e, h, 2 * i), g),
-        f"{p}.feed_forward.experts.down_proj": randn((e, i, h), g),
+    h, i, e = cfg["hidden_size"], cfg["intermediate_size"], cfg["num_local_experts"]
+    t = decoder(cfg, g, mlps={"feed_forward.shared_expert": i})
+    p = "model.layers.0.feed_forward"
+    t |= {
+        f"{p}.router.weight": randn((e, h), g),
+        f"{p}.experts.gate_up_proj": randn((e, h, 2 * i), g),
+        f"{p}.experts.down_proj": randn((e, i, h), g),
     }
-    hd = cfg["head_dim"]
-    for proj, n in {"q_proj": 2 * hd, "k_proj": hd, "v_proj": hd}.items():
-        t[f"{p}.self_attn.{proj}.weight"] = randn((n, h), g)
-    t[f"{p}.self_attn.o_proj.weight"] = randn((h, 2 * hd), g)
-    for proj, shape in {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}.items():
-        t[f"{p}.feed_forward.shared_expert.{proj}.weight"] = randn(shape, g)
     return t
 
 
-# --- Qwen2-VL (Qwen2VLForConditionalGeneration) ----------------------------------------------
-
-
-def qwen2_vl_config(hidden: int = 128, embed: int = 128) -> dict:
-    return {
-        "architectures": ["Qwen2VLForConditionalGeneration"],
-        "model_type": "qwen2_vl",
-        "hidden_size": hidden,
-        "intermediate_size": 256,
-        "num_attention_heads": 2,
-        "num_hidden_layers": 1,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-        "rms_norm_eps": 1e-6,
-        "rope_theta": 1000000.0,
-        "rope_scaling": {"type": "mrope", "mrope_section": [8, 12, 12]},
-        "max_position_embeddings": 32768,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-        "vision_start_token_id": 151652,
-        "image_token_id": 151655,
-        "video_token_id": 151656,
-        "vision_config": {
-            "depth": 1,
-            "embed_dim": embed,
-            "mlp_ratio": 4,
-            "num_heads": 2,
-            "in_chans": 3,
-            "hidden_size": hidden,
-            "patch_size": 14,
-            "spatial_merge_size": 2,
-            "spatial_patch_size": 14,
-            "temporal_patch_size": 2,
-        },
-    }
+# --- Qwen2-VL (Qwen2VLForConditionalGeneration) ------------------------------------------------
 
 
 def qwen2_vl_bf16(cfg: dict, *, new_names: bool = False, seed: int = 0) -> dict[str, torch.Tensor]:
     """Hub names ``visual.*`` and ``model.layers.*`` (``new_names``: transformers >= 4.52's
     ``model.visual.*`` and ``model.language_model.*``)."""
     g = gen(seed)
-    h, i, v = cfg["hidden_size"], cfg["intermediate_size"], cfg["vocab_size"]
+    h = cfg["hidden_size"]
     vc = cfg["vision_config"]
     e = vc["embed_dim"]
     m = e * vc["spatial_merge_size"] ** 2
     vis, lm = ("model.visual", "model.language_model") if new_names else ("visual", "model")
-    t = {
+    t = decoder(cfg, g, lm=lm, bias=QKV)
+    t |= {
         f"{vis}.patch_embed.proj.weight": randn((e, 3, 2, 14, 14), g),
-        f"{vis}.blocks.0.attn.qkv.weight": randn((3 * e, e), g),
-        f"{vis}.blocks.0.attn.qkv.bias": randn((3 * e,), g),
-        f"{vis}.blocks.0.attn.proj.weight": randn((e, e), g),
-        f"{vis}.blocks.0.attn.proj.bias": randn((e,), g),
-        f"{vis}.blocks.0.mlp.fc1.weight": randn((4 * e, e), g),
-        f"{vis}.blocks.0.mlp.fc1.bias": randn((4 * e,), g),
-        f"{vis}.blocks.0.mlp.fc2.weight": randn((e, 4 * e), g),
-        f"{vis}.blocks.0.mlp.fc2.bias": randn((e,), g),
         f"{vis}.merger.ln_q.weight": torch.ones(e, dtype=BF16),
         f"{vis}.merger.ln_q.bias": torch.zeros(e, dtype=BF16),
         f"{vis}.merger.mlp.0.weight": randn((m, m), g),
         f"{vis}.merger.mlp.0.bias": randn((m,), g),
         f"{vis}.merger.mlp.2.weight": randn((h, m), g),
         f"{vis}.merger.mlp.2.bias": randn((h,), g),
-        f"{lm}.embed_tokens.weight": randn((v, h), g),
-        f"{lm}.norm.weight": torch.ones(h, dtype=BF16),
-        "lm_head.weight": randn((v, h), g),
     }
+    b = f"{vis}.blocks.0"
+    for lin, shape in {"attn.qkv": (3 * e, e), "attn.proj": (e, e), "mlp.fc1": (4 * e, e),
+                       "mlp.fc2": (e, 4 * e)}.items():
+        t[f"{b}.{lin}.weight"] = randn(shape, g)
+        t[f"{b}.{lin}.bias"] = randn((shape[0],), g)
     for norm in ("norm1", "norm2"):
-        t[f"{vis}.blocks.0.{norm}.weight"] = torch.ones(e, dtype=BF16)
-        t[f"{vis}.blocks.0.{norm}.bias"] = torch.zeros(e, dtype=BF16)
-    p = f"{lm}.layers.0"
-    for norm in ("input_layernorm", "post_attention_layernorm"):
-        t[f"{p}.{norm}.weight"] = torch.ones(h, dtype=BF16)
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        t[f"{p}.self_attn.{proj}.weight"] = randn((h, h), g)
-        t[f"{p}.self_attn.{proj}.bias"] = randn((h,), g)
-    t[f"{p}.self_attn.o_proj.weight"] = randn((h, h), g)
-    for proj, shape in {"gate_proj": (i, h), "up_proj": (i, h), "down_proj": (h, i)}.items():
-        t[f"{p}.mlp.{proj}.weight"] = randn(shape, g)
+        t[f"{b}.{norm}.weight"] = torch.ones(e, dtype=BF16)
+        t[f"{b}.{norm}.bias"] = torch.zeros(e, dtype=BF16)
     return t
 
 
@@ -411,24 +372,7 @@ QWEN2_VL_LM = (
 )
 
 
-# --- BERT (BertForMaskedLM) and Qwen2-MoE (Qwen2MoeForCausalLM) -------------------------------
-
-
-def bert_config(hidden: int = 128) -> dict:
-    return {
-        "architectures": ["BertForMaskedLM"],
-        "model_type": "bert",
-        "hidden_size": hidden,
-        "intermediate_size": 4 * hidden,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "vocab_size": 256,
-        "max_position_embeddings": 512,
-        "type_vocab_size": 2,
-        "hidden_act": "gelu",
-        "layer_norm_eps": 1e-12,
-        "torch_dtype": "float32",
-    }
+# --- BERT (BertForMaskedLM) and Qwen2-MoE (Qwen2MoeForCausalLM) --------------------------------
 
 
 def bert_fp32(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
@@ -473,50 +417,15 @@ BERT_LINEARS = (
 )
 
 
-def qwen2_moe_config(hidden: int = 128, experts: int = 2) -> dict:
-    return {
-        "architectures": ["Qwen2MoeForCausalLM"],
-        "model_type": "qwen2_moe",
-        "hidden_size": hidden,
-        "intermediate_size": 256,
-        "moe_intermediate_size": 128,
-        "shared_expert_intermediate_size": 256,
-        "num_experts": experts,
-        "num_experts_per_tok": 1,
-        "decoder_sparse_step": 1,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 2,
-        "num_key_value_heads": 2,
-        "vocab_size": 256,
-        "norm_topk_prob": False,
-        "rms_norm_eps": 1e-6,
-        "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
-    }
-
-
 def qwen2_moe_bf16(cfg: dict, seed: int = 0) -> dict[str, torch.Tensor]:
     """Per-expert ``mlp.experts.<e>.{gate,up,down}_proj``, router ``mlp.gate [E, H]``, a shared
     expert and its scalar gate ``mlp.shared_expert_gate [1, H]``."""
     g = gen(seed)
-    h, v, e = cfg["hidden_size"], cfg["vocab_size"], cfg["num_experts"]
+    h, e = cfg["hidden_size"], cfg["num_experts"]
     i, si = cfg["moe_intermediate_size"], cfg["shared_expert_intermediate_size"]
+    mlps = {**{f"mlp.experts.{j}": i for j in range(e)}, "mlp.shared_expert": si}
+    t = decoder(cfg, g, bias=QKV, mlps=mlps)
     p = "model.layers.0"
-    t = {
-        "model.embed_tokens.weight": randn((v, h), g),
-        "lm_head.weight": randn((v, h), g),
-        "model.norm.weight": torch.ones(h, dtype=BF16),
-        f"{p}.input_layernorm.weight": torch.ones(h, dtype=BF16),
-        f"{p}.post_attention_layernorm.weight": torch.ones(h, dtype=BF16),
-        f"{p}.mlp.gate.weight": randn((e, h), g),
-        f"{p}.mlp.shared_expert_gate.weight": randn((1, h), g),
-    }
-    for proj in ("q_proj", "k_proj", "v_proj"):
-        t[f"{p}.self_attn.{proj}.weight"] = randn((h, h), g)
-        t[f"{p}.self_attn.{proj}.bias"] = randn((h,), g)
-    t[f"{p}.self_attn.o_proj.weight"] = randn((h, h), g)
-    for x in [*(f"experts.{j}" for j in range(e)), "shared_expert"]:
-        n = si if x == "shared_expert" else i
-        for proj, shape in {"gate_proj": (n, h), "up_proj": (n, h), "down_proj": (h, n)}.items():
-            t[f"{p}.mlp.{x}.{proj}.weight"] = randn(shape, g)
+    t[f"{p}.mlp.gate.weight"] = randn((e, h), g)
+    t[f"{p}.mlp.shared_expert_gate.weight"] = randn((1, h), g)
     return t

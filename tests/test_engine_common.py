@@ -12,23 +12,16 @@ import json
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
 from mxfp8_convert import convert
 from mxfp8_convert.engines import common
 from mxfp8_convert.inspection import inspect_checkpoint
 from mxfp8_convert.runtime.weight import MXFP8Weight
 from mxfp8_convert.synth import SynthSpec, linear_names, write_checkpoint
+from tests.checkpoints import load_all
 
 # head_dim 128: q 512 rows, k/v 2 heads = 256 rows, MLP 1024; o_proj K 512, down_proj K 1024
 SPEC = SynthSpec(layers=1, hidden=512, intermediate=1024, heads=4, kv_heads=2, vocab=256, shards=1)
-
-
-def _stored(root):
-    out = {}
-    for f in sorted(root.glob("*.safetensors")):
-        out.update(load_file(str(f)))
-    return out
 
 
 def _rank_range(name: str, n: int, k: int, tp: int, rank: int) -> tuple[slice, slice]:
@@ -55,8 +48,9 @@ def test_tp_compat_slices_are_the_layout_of_the_canonical_slices(tmp_path, backe
     assert marker["tp_compat"] == want
     assert inspect_checkpoint(out).to_dict()["tp_compat"] == want
     ckpt = common.read_checkpoint(out)
-    assert ckpt.tp_compat == want and sorted(ckpt.modules) == sorted(m for m, _, _ in linear_names(SPEC))
-    source, stored = _stored(src), _stored(out)
+    assert ckpt.tp_compat == want
+    assert sorted(ckpt.modules) == sorted(m for m, _, _ in linear_names(SPEC))
+    source, stored = load_all(src)[0], load_all(out)[0]
     for tp in common.TP_SIZES:
         if tp not in want:
             why = common.first_tp_violation(ckpt, tp)
@@ -78,11 +72,14 @@ def test_tp_compat_slices_are_the_layout_of_the_canonical_slices(tmp_path, backe
                     w = common.take_cols(w, gw, cols.start, cols.stop - cols.start)
                     s = common.take_cols(s, gs, cols.start, cols.stop - cols.start)
                 else:
-                    start, size = common.rank_part(
-                        n, tp, rank, max(1, tp // SPEC.kv_heads) if m.split == common.KV_HEADS else 1)
+                    kv = m.split == common.KV_HEADS
+                    replicas = max(1, tp // SPEC.kv_heads) if kv else 1
+                    start, size = common.rank_part(n, tp, rank, replicas)
                     assert (start, size) == (rows.start, rows.stop - rows.start)
-                    w, s = common.take_rows(w, gw, start, size), common.take_rows(s, gs, start, size)
-                assert torch.equal(w.view(torch.uint8), expect.data.view(torch.uint8)), (name, tp, rank)
+                    w = common.take_rows(w, gw, start, size)
+                    s = common.take_rows(s, gs, start, size)
+                assert torch.equal(w.view(torch.uint8), expect.data.view(torch.uint8)), (
+                    name, tp, rank)
                 assert torch.equal(s, expect.scale), (name, tp, rank)
 
 

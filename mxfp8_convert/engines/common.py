@@ -1,6 +1,6 @@
 """What an inference-engine plug-in needs from a converted checkpoint, whatever the engine.
 
-Engine-independent; ``engines/vllm.py`` (and an SGLang plug-in) add only their engine's glue:
+Engine-independent; ``engines/vllm.py`` and ``engines/sglang.py`` add only their engine's API:
 
 - :func:`read_checkpoint`: the marker, checked by the runtime's own reader (completion marker,
   ``quant_method``, known ``format_version``, layout names), and every quantized module's shape
@@ -13,7 +13,11 @@ Engine-independent; ``engines/vllm.py`` (and an SGLang plug-in) add only their e
   ``qkv_proj`` / ``gate_up_proj``, KV heads shared by ``tp / num_kv_heads`` ranks when they are
   fewer than the ranks), K of a row-parallel one; in 128-row / 128-column tiles for laid-out scales;
 - :func:`engine_for`: the runtime engine of a layer, chosen once: FlashInfer on the SM100 family,
-  our Triton kernels on Hopper, the exact reference on CPU.
+  our Triton kernels on Hopper, the exact reference on CPU;
+- :class:`RankParameter`, :class:`LinearMethod`, :class:`QuantConfig`: the plug-in classes,
+  mixed into each engine's own base classes (``BasevLLMParameter``, ``LinearMethodBase``,
+  ``QuantizationConfig``, which vLLM and SGLang name alike): a rank's parameters, their
+  loading, the wrap after loading, ``apply`` and the per-module choice of method.
 
 This module imports no torch at import time (the converter uses :func:`tp_compat`).
 """
@@ -26,11 +30,12 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from mxfp8_convert.backends import BACKENDS
-from mxfp8_convert.errors import FormatError, LayoutError
+from mxfp8_convert.errors import FormatError, LayoutError, MarkerError
 from mxfp8_convert.format import (
     CANONICAL_LAYOUT,
     CANONICAL_SUFFIX,
     META_TENSORS,
+    QUANT_METHOD,
     SWIZZLED_SUFFIX,
     Marker,
 )
@@ -171,7 +176,8 @@ def read_checkpoint(path: str | Path) -> EngineCheckpoint:
         try:
             records.update(json.loads(header.metadata.get(META_TENSORS, "{}")))
         except ValueError:
-            raise LayoutError(f"{root / header.relpath}: unreadable {META_TENSORS} metadata") from None
+            raise LayoutError(
+                f"{root / header.relpath}: unreadable {META_TENSORS} metadata") from None
     modules: dict[str, Module] = {}
     for name, info in ckpt.tensors.items():
         prefix, _, suffix = name.rpartition(".")
@@ -247,7 +253,8 @@ def first_tp_violation(ckpt: EngineCheckpoint, tp: int) -> str | None:
         m = ckpt.modules[name]
         why = tp_violation(m, tp, ckpt.num_kv_heads, ckpt.backend)
         if why:
-            return f"{name} [{m.n}, {m.k}] ({m.split}-parallel, {m.layout}) at tensor parallel {tp}: {why}"
+            return (f"{name} [{m.n}, {m.k}] ({m.split}-parallel, {m.layout}) "
+                    f"at tensor parallel {tp}: {why}")
     return None
 
 
@@ -288,18 +295,22 @@ def _narrow(t: torch.Tensor, dim: int, start: int, size: int, per: int, align: i
     return t.narrow(dim, start // per, size // per)
 
 
-def take_rows(t: torch.Tensor, g: Grid, start: int, size: int, what: str = "tensor") -> torch.Tensor:
+def take_rows(t: torch.Tensor, g: Grid, start: int, size: int,
+              what: str = "tensor") -> torch.Tensor:
     """Weight rows ``[start, start + size)`` of stored tensor ``t`` (a view, no copy)."""
     return _narrow(t, 0, start, size, g.rows, g.row_align, what)
 
 
-def take_cols(t: torch.Tensor, g: Grid, start: int, size: int, what: str = "tensor") -> torch.Tensor:
+def take_cols(t: torch.Tensor, g: Grid, start: int, size: int,
+              what: str = "tensor") -> torch.Tensor:
     """K columns ``[start, start + size)`` of stored tensor ``t`` (a view, no copy)."""
     return _narrow(t, 1, start, size, g.cols, g.col_align, what)
 
 
-def place_rows(dest: torch.Tensor, g: Grid, offset: int, src: torch.Tensor, what: str = "tensor") -> None:
-    """Copy ``src`` (a stored tensor's rows) into ``dest`` at weight row ``offset``, bytes as they are."""
+def place_rows(dest: torch.Tensor, g: Grid, offset: int, src: torch.Tensor,
+               what: str = "tensor") -> None:
+    """Copy ``src`` (a stored tensor's rows) into ``dest`` at weight row ``offset``, bytes as
+    they are."""
     part = _narrow(dest, 0, offset, src.shape[0] * g.rows, g.rows, g.row_align, what)
     if part.shape != src.shape or part.dtype != src.dtype:
         raise LayoutError(f"{what}: {src.dtype} {list(src.shape)} does not fit "
@@ -359,3 +370,254 @@ def apply_linear(run, weight, x: torch.Tensor, bias: torch.Tensor | None) -> tor
     dtype (the kernels write bf16)."""
     out = run(x.reshape(-1, x.shape[-1]), weight, bias)
     return out.to(x.dtype).reshape(*x.shape[:-1], weight.shape[0])
+
+
+# --- The plug-in classes both engines share ------------------------------------------------------
+# vLLM's and SGLang's linear layers have the same hooks (SGLang's are adapted from vLLM's): each
+# adapter mixes these classes into its engine's base classes and states only what differs (its
+# imports, how it learns the TP size, its FlashInfer route, how it hands over the marker).
+
+#: Capability x10 the engines check before loading: our Triton engine needs SM90, FlashInfer's
+#: trtllm/cutlass the SM100 family (checked per layer when it is chosen); CPU has none.
+MIN_CAPABILITY = 90
+
+
+class RankParameter:
+    """A rank's weight or scale tiles, mixed into the engine's ``BasevLLMParameter``.
+
+    The engine's layer hands each ``load_*`` the whole stored tensor (one module, or one q/k/v or
+    gate/up part of a fused parameter); the parameter copies the rank's slice in on tile
+    boundaries (:class:`Grid` ``grid``), bytes as stored. vLLM passes only the tensor and the
+    part's per-rank ``shard_offset`` / ``shard_size`` (rank and TP size are the layer's, given at
+    creation); SGLang adds ``tp_rank`` and ``use_presharded_weights`` (the tensor is already this
+    rank's) and keeps no TP size on its layers (``tp_size`` ``None``: a stored part is then
+    checked against its tiles and bounds, not against the count of ranks). Every load records
+    the weight rows it filled (:meth:`check_loaded`); ``counts``: the parameter whose tally an
+    alias of it (the same storage under another name) adds to.
+    """
+
+    def __init__(self, data, weight_loader, grid: Grid, name: str, tp_rank: int | None,
+                 tp_size: int | None, counts: RankParameter | None = None):
+        super().__init__(data=data, weight_loader=weight_loader)
+        self.grid = grid
+        self.what = name
+        self.tp_rank, self.tp_size = tp_rank, tp_size  # the layer's (vLLM sets the global ones)
+        self.rows_loaded = 0
+        self.counts = self if counts is None else counts
+
+    @property
+    def output_dim(self) -> int:
+        """Asked by the engines' loaders only for a module fused on disk: refused."""
+        raise LayoutError(f"{self.what}: a module fused on disk (no q/k/v or gate/up shard id) "
+                          "is not supported by the mxfp8_convert plug-in")
+
+    def _place(self, src: torch.Tensor, offset: int) -> None:
+        place_rows(self.data, self.grid, offset, src, self.what)
+        self.counts.rows_loaded += src.shape[0] * self.grid.rows
+
+    def _load_rows(self, loaded: torch.Tensor, offset: int, size: int, index: int,
+                   shares: int | None, presharded: bool) -> None:
+        """Rows ``[index * size, (index + 1) * size)`` of ``loaded`` (a stored tensor of ``shares``
+        such shares; all of it if ``presharded``) into this parameter's rows from ``offset``."""
+        if not presharded:
+            rows = loaded.shape[0] * self.grid.rows
+            if shares is not None and rows != shares * size:
+                raise LayoutError(f"{self.what}: a stored part of {rows} rows is not {shares} "
+                                  f"shares of the {size} rows per rank the engine expects")
+            loaded = take_rows(loaded, self.grid, index * size, size, self.what)
+        self._place(loaded, offset)
+
+    def load_column_parallel_weight(self, loaded_weight: torch.Tensor, tp_rank: int | None = None,
+                                    use_presharded_weights: bool = False) -> None:
+        """A column-parallel module: the rank's rows."""
+        rank = self.tp_rank if tp_rank is None else tp_rank
+        self._load_rows(loaded_weight, 0, self.data.shape[0] * self.grid.rows, rank,
+                        self.tp_size, use_presharded_weights)
+
+    def load_row_parallel_weight(self, loaded_weight: torch.Tensor, tp_rank: int | None = None,
+                                 use_presharded_weights: bool = False) -> None:
+        """A row-parallel module: the rank's K columns."""
+        rank = self.tp_rank if tp_rank is None else tp_rank
+        size = self.data.shape[1] * self.grid.cols
+        if not use_presharded_weights:
+            cols = loaded_weight.shape[1] * self.grid.cols
+            if self.tp_size is not None and cols != self.tp_size * size:
+                raise LayoutError(f"{self.what}: K={cols} stored is not {self.tp_size} shares of "
+                                  f"the K={size} per rank the engine expects")
+            loaded_weight = take_cols(loaded_weight, self.grid, rank * size, size, self.what)
+        self._place(loaded_weight, 0)
+
+    def load_merged_column_weight(self, loaded_weight: torch.Tensor, **kw) -> None:
+        """``gate_up_proj`` part ``shard_id`` (0/1) at its per-rank ``shard_offset``."""
+        rank = kw.get("tp_rank", self.tp_rank)
+        self._load_rows(loaded_weight, kw["shard_offset"], kw["shard_size"], rank, self.tp_size,
+                        kw.get("use_presharded_weights", False))
+
+    def load_qkv_weight(self, loaded_weight: torch.Tensor, **kw) -> None:
+        """``qkv_proj`` part q/k/v; ``num_heads`` ranks share a KV head when they outnumber them."""
+        rank = kw.get("tp_rank", self.tp_rank)
+        replicas = 1 if kw["shard_id"] == "q" else kw["num_heads"]
+        shares = None if self.tp_size is None else self.tp_size // replicas
+        self._load_rows(loaded_weight, kw["shard_offset"], kw["shard_size"], rank // replicas,
+                        shares, kw.get("use_presharded_weights", False))
+
+    def check_loaded(self) -> None:
+        """Refuse a parameter the loads did not fill (a name the model's loader did not map).
+
+        Raises:
+            LayoutError: fewer (or more) weight rows were loaded than the parameter holds.
+        """
+        rows = self.data.shape[0] * self.grid.rows
+        if self.rows_loaded != rows:
+            raise LayoutError(f"{self.what}: {self.rows_loaded} of its {rows} rows were loaded "
+                              "from the checkpoint", hint="is the tensor missing or misnamed?")
+
+
+def engine_run(name: str, flashinfer=None):
+    """``run(x2d, weight, bias)`` of runtime engine ``name``; for ``"flashinfer"``, the engine's
+    own FlashInfer MXFP8 route where it has one (``flashinfer``), else the runtime's."""
+    if name == "flashinfer" and flashinfer is not None:
+        return flashinfer
+    from mxfp8_convert.runtime.select import ENGINES
+
+    return ENGINES[name].run
+
+
+class LinearMethod:
+    """A linear layer of a converted checkpoint, laid out (trtllm/cutlass) or kept canonical;
+    mixed into the engine's ``LinearMethodBase``.
+
+    The adapter sets :attr:`parameter` (its :class:`RankParameter` class), :attr:`check_loads`
+    (whether its loader leaves a misnamed tensor's parameter unfilled without a word),
+    :attr:`scale_aliases` (the names the engine's model loaders may rename a stored scale to:
+    the scale is registered under those too, the same storage) and :meth:`flashinfer_route`,
+    :meth:`layer_tp`. Nothing is re-laid-out: the rank's parameters are created in their final
+    layout (:func:`rank_tensors`), and after loading wrapped, without a copy, in the runtime's
+    ``MXFP8Weight``.
+    """
+
+    parameter: type
+    check_loads = False
+    scale_aliases: dict[str, tuple[str, ...]] = {}
+
+    def __init__(self, config, layout: str, prefix: str):
+        self.config = config
+        self.layout = layout
+        self.prefix = prefix
+
+    @staticmethod
+    def flashinfer_route():
+        """The engine's own FlashInfer MXFP8 linear (``run(x2d, weight, bias)``), or ``None``."""
+        return None
+
+    @staticmethod
+    def layer_tp(layer) -> tuple[int | None, int | None]:
+        """The layer's tensor-parallel rank and size (vLLM's layers keep both)."""
+        return layer.tp_rank, layer.tp_size
+
+    def create_weights(self, layer, input_size_per_partition, output_partition_sizes, input_size,
+                       output_size, params_dtype, **extra_weight_attrs):
+        """Per-rank parameters in their final layout, under the checkpoint's tensor names."""
+        loader = extra_weight_attrs["weight_loader"]
+        tensors = rank_tensors(self.layout, self.prefix, output_partition_sizes,
+                               input_size_per_partition)
+        rank, ranks = self.layer_tp(layer)
+        for name, data, g in tensors:
+            param = self.parameter(data=data, weight_loader=loader, grid=g,
+                                   name=f"{self.prefix}.{name}", tp_rank=rank, tp_size=ranks)
+            layer.register_parameter(name, param)
+            for alias in self.scale_aliases.get(name, ()):
+                layer.register_parameter(alias, self.parameter(
+                    data=data, weight_loader=loader, grid=g, name=f"{self.prefix}.{alias}",
+                    tp_rank=rank, tp_size=ranks, counts=param))
+        layer.mxfp8_scale_name = tensors[1][0]
+
+    def process_weights_after_loading(self, layer) -> None:
+        """No copy, no re-layout: the runtime's weight type over the loaded parameters' storage."""
+        from mxfp8_convert.runtime.weight import MXFP8Weight
+
+        scale = getattr(layer, layer.mxfp8_scale_name)
+        if self.check_loads:
+            layer.weight.check_loaded()
+            scale.check_loaded()
+        layer.mxfp8_weight = MXFP8Weight(layer.weight.data, scale.data, self.layout, self.prefix)
+        layer.mxfp8_engine = engine_for(layer.weight.device, self.layout)
+        route = self.flashinfer_route() if layer.mxfp8_engine == "flashinfer" else None
+        layer.mxfp8_run = engine_run(layer.mxfp8_engine, route)
+
+    def apply(self, layer, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return apply_linear(layer.mxfp8_run, layer.mxfp8_weight, x, bias)
+
+
+class QuantConfig:
+    """``quant_method: "mxfp8_convert"``: a checkpoint written by mxfp8-convert (docs/FORMAT.md);
+    mixed into the engine's ``QuantizationConfig``.
+
+    The adapter sets :attr:`linear_base` (the engine's ``LinearBase``), :attr:`linear_method`
+    and :attr:`unquantized` (its method classes), gives :meth:`tp_size` and fills
+    :attr:`checkpoint` (:func:`read_checkpoint` of the model folder) when the engine says where
+    the folder is. ``packed_modules_mapping`` is the engine's (set by it per model).
+    """
+
+    linear_base: type
+    linear_method: type
+    unquantized: type
+    checkpoint: EngineCheckpoint | None = None
+    _tp_checked: int | None = None
+
+    def get_name(self) -> str:
+        return QUANT_METHOD
+
+    def get_supported_act_dtypes(self) -> list:
+        from mxfp8_convert._lazy import torch
+
+        return [torch.bfloat16, torch.float16, torch.float32]
+
+    @classmethod
+    def get_min_capability(cls) -> int:
+        return MIN_CAPABILITY
+
+    @staticmethod
+    def get_config_filenames() -> list[str]:
+        return []
+
+    @staticmethod
+    def tp_size() -> int:
+        """The engine's tensor-parallel size of this process."""
+        raise NotImplementedError
+
+    def engine_checkpoint(self) -> EngineCheckpoint:
+        if self.checkpoint is None:
+            raise MarkerError("the mxfp8_convert plug-in needs a local checkpoint folder as the "
+                              "model", hint="pass the converted folder as the model")
+        return self.checkpoint
+
+    def layout_of(self, prefix: str) -> str | None:
+        """The layout of module ``prefix`` (or of all the parts the engine fused into it);
+        ``None``: not quantized (ignored, ``lm_head``, ...)."""
+        modules = self.engine_checkpoint().modules
+        if prefix in modules:
+            return modules[prefix].layout
+        base, _, leaf = prefix.rpartition(".")
+        packed = getattr(self, "packed_modules_mapping", None) or {}
+        parts = packed.get(leaf) or FUSED.get(leaf) or [leaf]
+        names = [f"{base}.{p}" if base else p for p in parts]
+        found = {modules[n].layout if n in modules else None for n in names}
+        if len(found) > 1:
+            raise LayoutError(f"{prefix}: its parts {', '.join(names)} are stored in different "
+                              "layouts (or some unquantized)")
+        return found.pop()
+
+    def get_quant_method(self, layer, prefix: str):
+        """Our method for a quantized linear layer (the TP size checked once against
+        ``tp_compat``), the engine's unquantized one for a linear layer kept unquantized."""
+        if not isinstance(layer, self.linear_base):
+            return None
+        tp = self.tp_size()
+        if self._tp_checked != tp:
+            check_tp(self.engine_checkpoint(), tp)
+            self._tp_checked = tp
+        layout = self.layout_of(prefix)
+        if layout is None:
+            return self.unquantized()
+        return self.linear_method(self, layout, prefix)

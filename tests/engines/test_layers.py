@@ -13,6 +13,8 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
+from mxfp8_convert.errors import LayoutError
+
 TP = 2
 
 
@@ -26,7 +28,8 @@ def vllm_rank(monkeypatch):
     def as_rank(r: int, tp: int = TP):
         for mod in (linear, parameter):
             monkeypatch.setattr(mod, "get_tensor_model_parallel_rank", lambda: r, raising=False)
-            monkeypatch.setattr(mod, "get_tensor_model_parallel_world_size", lambda: tp, raising=False)
+            monkeypatch.setattr(mod, "get_tensor_model_parallel_world_size", lambda: tp,
+                                raising=False)
         import vllm.distributed as dist
         monkeypatch.setattr(dist, "get_tensor_model_parallel_world_size", lambda: tp)
 
@@ -39,7 +42,8 @@ def _config(folder):
 
     from mxfp8_convert.engines.vllm import MXFP8ConvertConfig
 
-    cfg = MXFP8ConvertConfig.from_config(json.loads((folder / "config.json").read_text())["quantization_config"])
+    marker = json.loads((folder / "config.json").read_text())["quantization_config"]
+    cfg = MXFP8ConvertConfig.from_config(marker)
     cfg.maybe_update_config(str(folder))
     cfg.packed_modules_mapping = {"qkv_proj": ["q_proj", "k_proj", "v_proj"],
                                   "gate_up_proj": ["gate_proj", "up_proj"]}
@@ -89,7 +93,8 @@ def test_rank_parameters_are_the_files_slices(models, vllm_rank, backend, rank):
         qkv: (torch.cat([w(f"{a}.q_proj")[q_rows], w(f"{a}.k_proj"), w(f"{a}.v_proj")]),
               torch.cat([s(f"{a}.q_proj")[q_tiles], s(f"{a}.k_proj"), s(f"{a}.v_proj")])),
         gate_up: (torch.cat([w(f"{p}.mlp.gate_proj")[mlp_rows], w(f"{p}.mlp.up_proj")[mlp_rows]]),
-                  torch.cat([s(f"{p}.mlp.gate_proj")[mlp_tiles], s(f"{p}.mlp.up_proj")[mlp_tiles]])),
+                  torch.cat([s(f"{p}.mlp.gate_proj")[mlp_tiles],
+                             s(f"{p}.mlp.up_proj")[mlp_tiles]])),
         o: (w(f"{a}.o_proj")[:, rank * 256:rank * 256 + 256], s(f"{a}.o_proj")[:, q_tiles]),
     }
     for layer, (want_w, want_s) in want.items():
@@ -107,4 +112,56 @@ def test_rank_parameters_are_the_files_slices(models, vllm_rank, backend, rank):
         [dq(f"{a}.q_proj")[q_rows], dq(f"{a}.k_proj"), dq(f"{a}.v_proj")]))
     assert torch.equal(gate_up.mxfp8_weight.dequantize(), torch.cat(
         [dq(f"{p}.mlp.gate_proj")[mlp_rows], dq(f"{p}.mlp.up_proj")[mlp_rows]]))
-    assert torch.equal(o.mxfp8_weight.dequantize(), dq(f"{a}.o_proj")[:, rank * 256:rank * 256 + 256])
+    assert torch.equal(o.mxfp8_weight.dequantize(),
+                       dq(f"{a}.o_proj")[:, rank * 256:rank * 256 + 256])
+
+
+def test_a_module_kept_canonical_loads_as_stored(models, vllm_rank):
+    """``--on-ineligible keep``: trtllm takes K in multiples of 256, so down_proj (K=1152) stays
+    canonical (``weight_scale_inv [N, K/32]``); vLLM's RowParallelLinear loads it under that name
+    and it dequantizes as the runtime reads the same file."""
+    from vllm.model_executor.layers.linear import RowParallelLinear
+
+    from mxfp8_convert.runtime.reference import reference_linear
+
+    folder = models[("llama_tp1", "trtllm-keep")]
+    stored = load_file(str(folder / "model.safetensors"))
+    name = "model.layers.0.mlp.down_proj"
+    assert f"{name}.weight_scale_swizzled" not in stored  # kept canonical by the converter
+    vllm_rank(0, 1)
+    down = RowParallelLinear(1152, 512, bias=False, quant_config=_config(folder), prefix=name,
+                             params_dtype=torch.float32)
+    for suffix in ("weight", "weight_scale_inv"):
+        p = getattr(down, suffix)
+        p.weight_loader(p, stored[f"{name}.{suffix}"])
+    down.quant_method.process_weights_after_loading(down)
+    assert down.quant_method.layout == "canonical"
+    assert torch.equal(down.weight.data.view(torch.uint8),
+                       stored[f"{name}.weight"].view(torch.uint8))
+    q, code = stored[f"{name}.weight"], stored[f"{name}.weight_scale_inv"]
+    assert torch.equal(down.weight_scale_inv.data, code)
+    # e4m3 value x 2^(code - 127), one code per 32 K columns
+    want = q.float() * torch.exp2(code.float() - 127).repeat_interleave(32, dim=1)
+    assert torch.equal(down.mxfp8_weight.dequantize(), want)
+    x = torch.randn(3, 1152)
+    got, _ = down(x)
+    assert torch.equal(got, reference_linear(x, q, code).to(x.dtype))
+
+
+def test_a_stored_part_of_another_size_is_refused(models, vllm_rank):
+    """A stored q_proj of other rows than TP x the rows vLLM gives each rank: one line naming
+    the parameter, nothing copied."""
+    from vllm.model_executor.layers.linear import QKVParallelLinear
+
+    folder = models[("llama", "cutlass")]
+    stored = load_file(str(folder / "model.safetensors"))
+    vllm_rank(0)
+    a = "model.layers.0.self_attn"
+    qkv = QKVParallelLinear(512, 128, 4, 1, bias=False, quant_config=_config(folder),
+                            prefix=f"{a}.qkv_proj", params_dtype=torch.float32)
+    before = qkv.weight.data.clone()
+    short = stored[f"{a}.q_proj.weight"][:256]  # 2 heads where the config has 4
+    with pytest.raises(LayoutError, match=r"qkv_proj\.weight: a stored part of 256 rows is not 2 "
+                                          r"shares of the 256 rows per rank"):
+        qkv.weight.weight_loader(qkv.weight, short, "q")
+    assert torch.equal(qkv.weight.data.view(torch.uint8), before.view(torch.uint8))

@@ -21,7 +21,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -34,32 +33,31 @@ if os.environ.get("MXFP8_ENGINE_TESTS") == "sglang":
 else:
     pytest.importorskip("sglang", reason="needs the sglang venv (make test-engines)")
 
-from safetensors import safe_open  # noqa: E402
+from conftest import convert, free_port  # noqa: E402
 
 from mxfp8_convert.runtime import load_checkpoint  # noqa: E402
 from mxfp8_convert.runtime.reference import reference_linear  # noqa: E402
 from mxfp8_convert.synth import SynthSpec, write_checkpoint  # noqa: E402
+from tests.checkpoints import load_all  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[2]
 HIDDEN, HEADS, HD = 512, 4, 128
-#: name -> (KV heads, MLP width, backend); the last one slices only at TP=1 (1152 = 9 tiles)
+#: name -> (KV heads, MLP width, backend, converter options). An MLP of 1152 (9 tiles) slices
+#: only at TP=1; under trtllm (K in multiples of 256) its down_proj (K=1152) is ineligible, kept
+#: canonical with ``--on-ineligible keep``.
 MODELS = {
-    "kv2-trtllm": (2, 1024, "trtllm"), "kv2-cutlass": (2, 1024, "cutlass"),
-    "kv1-trtllm": (1, 1024, "trtllm"), "kv1-cutlass": (1, 1024, "cutlass"),
-    "tp1only-cutlass": (2, 1152, "cutlass"),
+    "kv2-trtllm": (2, 1024, "trtllm", ()), "kv2-cutlass": (2, 1024, "cutlass", ()),
+    "kv1-trtllm": (1, 1024, "trtllm", ()), "kv1-cutlass": (1, 1024, "cutlass", ()),
+    "tp1only-cutlass": (2, 1152, "cutlass", ()),
+    "keep-trtllm": (2, 1152, "trtllm", ("--on-ineligible", "keep")),
 }
-SERVED = [m for m in MODELS if not m.startswith("tp1only")]
+#: what each TP size serves (and the tests check layer by layer)
+LAID_OUT = ["kv2-trtllm", "kv2-cutlass", "kv1-trtllm", "kv1-cutlass"]
+SERVED = {1: [*LAID_OUT, "keep-trtllm"], 2: LAID_OUT}
 TIMEOUT = 540
 #: decoder layers vs the runtime's tiny Llama: worst |difference| / largest |output|; measured
 #: 0.6-0.8 % at TP=1 and 0.6-1.6 % at TP=2 (bf16 roundings at other points), twice that allowed
 DECODER_TOLERANCE = 1 / 32
-
-
-def _convert(src: Path, backend: str, out: Path) -> None:
-    env = {**os.environ, "PYTHONPATH": str(ROOT)}
-    cmd = [sys.executable, "-m", "mxfp8_convert", str(src), "--backend", backend, "-o", str(out),
-           "--quiet"]
-    subprocess.run(cmd, check=True, env=env, capture_output=True, timeout=TIMEOUT)
 
 
 @pytest.fixture(scope="module")
@@ -68,12 +66,12 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     with an unknown format version (copies of a real output)."""
     base = tmp_path_factory.mktemp("sglang-ckpts")
     out = {}
-    for name, (kv, inter, backend) in MODELS.items():
+    for name, (kv, inter, backend, options) in MODELS.items():
         src = base / f"src-{kv}-{inter}"
         if not src.exists():
             write_checkpoint(src, SynthSpec(layers=2, hidden=HIDDEN, intermediate=inter,
                                             heads=HEADS, kv_heads=kv, vocab=256, dialect="dense"))
-        _convert(src, backend, base / name)
+        convert(src, backend, base / name, *options)
         out[name] = base / name
     out["no-marker"] = base / "no-marker"
     shutil.copytree(out["kv2-trtllm"], out["no-marker"])
@@ -86,13 +84,8 @@ def ckpts(tmp_path_factory) -> dict[str, Path]:
     return out
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
-RUNS = {1: [*SERVED, "tp1only-cutlass", "no-marker", "version-99"], 2: [*SERVED, "tp1only-cutlass"]}
+RUNS = {1: [*SERVED[1], "tp1only-cutlass", "no-marker", "version-99"],
+        2: [*SERVED[2], "tp1only-cutlass"]}
 
 
 @pytest.fixture(scope="module")
@@ -102,7 +95,7 @@ def results(ckpts, tmp_path_factory) -> dict:
     env = {**os.environ, "PYTHONPATH": str(ROOT), "OMP_NUM_THREADS": "1"}
     procs = []
     for tp in RUNS:
-        port = _free_port()
+        port = free_port()
         d = out_dir / f"tp{tp}"
         d.mkdir()
         for rank in range(tp):
@@ -127,14 +120,6 @@ def results(ckpts, tmp_path_factory) -> dict:
                  for rank in range(tp)} for tp in RUNS}
 
 
-def _stored(path: Path) -> dict[str, torch.Tensor]:
-    tensors = {}
-    for f in sorted(path.glob("*.safetensors")):
-        with safe_open(str(f), framework="pt") as st:
-            tensors.update({k: st.get_tensor(k) for k in st.keys()})
-    return tensors
-
-
 def _parts(kv: int, inter: int, tp: int, rank: int) -> dict[str, list[tuple[str, int, int]]]:
     """Per fused parameter: (stored module, first row, rows) of rank ``rank``, by logical row;
     computed here from the model's shapes, not by the plug-in's code."""
@@ -152,8 +137,17 @@ def _parts(kv: int, inter: int, tp: int, rank: int) -> dict[str, list[tuple[str,
 ROW_PARALLEL = {"o_proj": "self_attn.o_proj", "down_proj": "mlp.down_proj"}
 
 
+def _scale_rows(stored: dict, module: str, start: int, rows: int) -> torch.Tensor:
+    """The stored scale of weight rows ``[start, start + rows)``: 128-row tiles when laid out,
+    rows of ``[N, K/32]`` when kept canonical."""
+    tiles = stored.get(f"{module}.weight_scale_swizzled")
+    if tiles is not None:
+        return tiles[start // 128:(start + rows) // 128]
+    return stored[f"{module}.weight_scale_inv"][start:start + rows]
+
+
 def _cases():
-    return [(tp, rank, c) for tp in RUNS for rank in range(tp) for c in SERVED]
+    return [(tp, rank, c) for tp in RUNS for rank in range(tp) for c in SERVED[tp]]
 
 
 def test_plugin_registers_through_its_entry_point(results):
@@ -179,14 +173,13 @@ def test_sglang_picks_the_plugin_and_keeps_the_loaded_storage(results, tp, rank,
 def test_rank_bytes_are_the_files_slices(ckpts, results, tp, rank, name):
     """Weight rows / scale tiles of the rank, as stored: by row for column-parallel parts (tile
     rows of 128 for the scale), by K for row-parallel (tile columns of 128)."""
-    kv, inter, _ = MODELS[name]
-    stored = _stored(ckpts[name])
+    kv, inter, _, _ = MODELS[name]
+    stored = load_all(ckpts[name])[0]
     for i, layer in enumerate(results[tp][rank][name]["layers"]):
         p = f"model.layers.{i}"
         for fused, parts in _parts(kv, inter, tp, rank).items():
             w = torch.cat([stored[f"{p}.{m}.weight"][s:s + n] for m, s, n in parts])
-            sc = torch.cat([stored[f"{p}.{m}.weight_scale_swizzled"][s // 128:(s + n) // 128]
-                            for m, s, n in parts])
+            sc = torch.cat([_scale_rows(stored, f"{p}.{m}", s, n) for m, s, n in parts])
             assert torch.equal(layer[fused]["weight"], w.view(torch.uint8)), f"{p}.{fused} weight"
             assert torch.equal(layer[fused]["scale"], sc), f"{p}.{fused} scale"
         for lin, m in ROW_PARALLEL.items():
@@ -194,7 +187,7 @@ def test_rank_bytes_are_the_files_slices(ckpts, results, tp, rank, name):
             k = full.shape[1] // tp
             want = full[:, rank * k:(rank + 1) * k].view(torch.uint8)
             assert torch.equal(layer[lin]["weight"], want)
-            tiles = stored[f"{p}.{m}.weight_scale_swizzled"]
+            tiles = _scale_rows(stored, f"{p}.{m}", 0, full.shape[0])  # tiles or [N, K/32]
             kt = tiles.shape[1] // tp
             assert torch.equal(layer[lin]["scale"], tiles[:, rank * kt:(rank + 1) * kt])
 
@@ -217,7 +210,7 @@ def _silu_and_mul(gu: torch.Tensor) -> torch.Tensor:
 
 @pytest.mark.parametrize("tp,rank,name", _cases())
 def test_outputs_equal_the_reference_on_the_same_bytes(ckpts, results, tp, rank, name):
-    kv, inter, _ = MODELS[name]
+    kv, inter, _, _ = MODELS[name]
     canon = _canonical(ckpts[name])
     for i, layer in enumerate(results[tp][rank][name]["layers"]):
         p = f"model.layers.{i}"
@@ -281,6 +274,62 @@ def test_refusals_are_one_line_at_start_up(results):
         assert "\n" not in e
 
 
+def test_a_module_kept_canonical_is_served(ckpts, results):
+    """``--on-ineligible keep``: down_proj (K=1152, not trtllm's multiple of 256) is stored
+    canonical (``weight_scale_inv [N, K/32]``, which SGLang's Llama loader renames to
+    ``weight_scale``); the plug-in serves it canonical beside trtllm layers (its bytes and outputs
+    are checked with the other cases above)."""
+    stored = load_all(ckpts["keep-trtllm"])[0]
+    for i, layer in enumerate(results[1][0]["keep-trtllm"]["layers"]):
+        down = f"model.layers.{i}.mlp.down_proj"
+        assert f"{down}.weight_scale_inv" in stored
+        assert f"{down}.weight_scale_swizzled" not in stored
+        assert layer["down_proj"]["layout"] == "canonical"
+        assert layer["down_proj"]["scale_name"] == "weight_scale_inv"
+        # the stored name and the name the loader renames it to, one storage (same_storage)
+        assert layer["down_proj"]["params"] == ["weight", "weight_scale", "weight_scale_inv"]
+        for lin in ("qkv_proj", "o_proj", "gate_up_proj"):
+            assert layer[lin]["layout"] == "trtllm"
+            assert layer[lin]["params"] == ["weight", "weight_scale_swizzled"]
+
+
+def test_rank_parameter_cuts_canonical_and_shared_head_slices():
+    """SGLang's parameter class with the plug-in's loaders, called as SGLang's layers call them
+    (``tp_rank``, ``num_heads`` replicas, per-rank offsets): rank 1 of 2 takes K columns of a
+    canonical scale, its q rows and the one KV head both ranks share; checked against plain
+    indexing. A parameter loaded in part is refused after loading."""
+    from mxfp8_convert.engines import common
+    from mxfp8_convert.engines.sglang import MXFP8Parameter
+
+    def param(shape, layout, tensor, name):
+        return MXFP8Parameter(data=torch.zeros(shape, dtype=torch.uint8), weight_loader=None,
+                              grid=common.grid(layout, tensor), name=name, tp_rank=None,
+                              tp_size=None)
+
+    g = torch.Generator().manual_seed(0)
+    code = torch.randint(0, 256, (512, 36), generator=g, dtype=torch.uint8)  # N=512, K=1152
+    down = param((512, 18), "canonical", "scale", "down_proj.weight_scale_inv")
+    down.load_row_parallel_weight(code, tp_rank=1)
+    assert torch.equal(down.data, code[:, 18:])
+    down.check_loaded()
+
+    q, k, v = (torch.randint(0, 256, (n, 64), generator=g, dtype=torch.uint8)
+               for n in (512, 128, 128))
+    qkv = param((512, 64), "canonical", "weight", "qkv_proj.weight")  # 256 q + 128 k + 128 v
+    for part, t, offset, size in (("q", q, 0, 256), ("k", k, 256, 128), ("v", v, 384, 128)):
+        qkv.load_qkv_weight(t, tp_rank=1, num_heads=2, shard_id=part, shard_offset=offset,
+                            shard_size=size)
+    assert torch.equal(qkv.data, torch.cat([q[256:], k, v]))
+    qkv.check_loaded()
+
+    partial = param((512, 64), "canonical", "weight", "qkv_proj.weight")
+    partial.load_qkv_weight(q, tp_rank=0, num_heads=2, shard_id="q", shard_offset=0,
+                            shard_size=256)
+    with pytest.raises(common.LayoutError, match=r"^qkv_proj\.weight: 256 of its 512 rows were "
+                                                 r"loaded from the checkpoint$"):
+        partial.check_loaded()
+
+
 # --- SM100: SGLang's own FlashInfer MXFP8 route, up to the launch --------------------------------
 from tests.runtime.test_sm100 import (  # noqa: E402
     ReachedLaunch,
@@ -313,10 +362,11 @@ def sglang_route(sm100, monkeypatch):  # noqa: F811
 
 @pytest.mark.parametrize("name", ["kv2-trtllm", "kv2-cutlass", "kv1-trtllm"])
 def test_sm100_route_passes_flashinfer_checks_with_the_stored_bytes(ckpts, sglang_route, name):
+    from mxfp8_convert.engines import common
     from mxfp8_convert.engines import sglang as plugin
 
     _, calls = sglang_route
-    run = plugin._engine_run("flashinfer")
+    run = common.engine_run("flashinfer", plugin.MXFP8ConvertLinearMethod.flashinfer_route())
     assert run is plugin._sglang_flashinfer
     ckpt = load_checkpoint(ckpts[name], engine="reference")
     for w in ckpt.weights.values():

@@ -25,7 +25,6 @@ from __future__ import annotations
 
 import json
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -38,6 +37,7 @@ from conftest import (
     copy_checkpoint,
     engine_env,
     engine_results,
+    free_port,
     report,
     run_engine,
     runtime_model,
@@ -95,7 +95,8 @@ def oracle(models, prompt_ids):
     return get
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != SERVED], ids=lambda c: f"{c[0]}-{c[1]}-tp{c[2]}")
+@pytest.mark.parametrize("case", [c for c in CASES if c != SERVED],
+                         ids=lambda c: f"{c[0]}-{c[1]}-tp{c[2]}")
 def test_generate_matches_runtime(case, models, prompt_ids, oracle):
     """examples/serve_with_vllm.py: vLLM's greedy tokens and logprobs agree with our runtime."""
     kind, backend, tp = case
@@ -107,14 +108,9 @@ def test_generate_matches_runtime(case, models, prompt_ids, oracle):
     _compare(case, got, prompt_ids, oracle(kind, backend))
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
-    req = urllib.request.Request(url, json.dumps(body).encode(), {"Content-Type": "application/json"})
+    req = urllib.request.Request(url, json.dumps(body).encode(),
+                                 {"Content-Type": "application/json"})
     with urllib.request.urlopen(req, timeout=timeout) as r:
         return json.loads(r.read())
 
@@ -122,7 +118,7 @@ def _post(url: str, body: dict, timeout: float = 120) -> dict:
 def test_openai_server_answers_a_completion(models, prompt_ids, oracle):
     """`python -m vllm.entrypoints.openai.api_server` on 127.0.0.1: one completion, then stop."""
     kind, backend, tp = SERVED
-    port = _free_port()
+    port = free_port()
     server = subprocess.Popen(
         [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model",
          str(models[(kind, backend)]), "--host", "127.0.0.1", "--port", str(port), "--dtype",
@@ -202,9 +198,11 @@ def test_start_up_refusals_are_one_line(models, tmp_path):
     script = tmp_path / "refuse.py"
     script.write_text(REFUSE)
     proc = run_engine([str(script), str(no_marker), str(future), str(moe)])
-    lines = {ln.split()[1]: ln for ln in proc.stdout.splitlines() if ln.startswith(("REFUSED", "LOADED"))}
+    lines = {ln.split()[1]: ln for ln in proc.stdout.splitlines()
+             if ln.startswith(("REFUSED", "LOADED"))}
     want = {
-        no_marker: ("MarkerError", "no mxfp8_convert.complete.json: not a complete mxfp8-convert output"),
+        no_marker: ("MarkerError",
+                    "no mxfp8_convert.complete.json: not a complete mxfp8-convert output"),
         future: ("MarkerError", "format_version 99 is not supported"),
         moe: ("FormatError", "fused MoE blocks (model.layers.0.block_sparse_moe.experts, ...) are "
                              "not served by the engine plug-ins yet"),
@@ -220,12 +218,15 @@ def test_start_up_refusals_are_one_line(models, tmp_path):
 def test_tp_outside_tp_compat_is_refused(models):
     """An MLP of 9 tiles slices at TP=1 only: TP=2 is refused naming the first module."""
     folder = models[("llama_tp1", "cutlass")]
-    assert json.loads((folder / "config.json").read_text())["quantization_config"]["tp_compat"] == [1]
+    marker = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert marker["tp_compat"] == [1]
     proc = run_engine([EXAMPLE, str(folder), "--tp", "2", "--json", "--max-tokens", "1",
                        "--enforce-eager"])
     assert proc.returncode != 0
-    want = ("tensor parallel 2 is not in this checkpoint's tp_compat [1]: model.layers.0.mlp.down_proj "
-            "[512, 1152] (row-parallel, cutlass) at tensor parallel 2: K=576 per rank, not a multiple of 128")
-    hits = [ln for ln in (proc.stdout + proc.stderr).splitlines() if want in ln]  # workers log to stdout
+    want = ("tensor parallel 2 is not in this checkpoint's tp_compat [1]: "
+            "model.layers.0.mlp.down_proj [512, 1152] (row-parallel, cutlass) "
+            "at tensor parallel 2: K=576 per rank, not a multiple of 128")
+    # the workers log to stdout
+    hits = [ln for ln in (proc.stdout + proc.stderr).splitlines() if want in ln]
     assert hits, proc.stderr[-4000:]
     report(f"refused at TP=2: {hits[0].split('LayoutError: ')[-1]}")

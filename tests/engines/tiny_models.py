@@ -28,10 +28,13 @@ Monday Tuesday Wednesday Thursday Friday Saturday Sunday. Colours red green blue
 COMMON = dict(hidden_size=512, num_attention_heads=4, head_dim=128, num_hidden_layers=2,
               max_position_embeddings=512, rms_norm_eps=1e-5, tie_word_embeddings=False,
               initializer_range=0.08)
-MODELS = {
-    "llama": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1, intermediate_size=1024)),
-    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM", dict(num_key_value_heads=2, intermediate_size=1024)),
-    "llama_tp1": ("LlamaConfig", "LlamaForCausalLM", dict(num_key_value_heads=1, intermediate_size=1152)),
+MODELS = {  # kind: (config class, model class, keys)
+    "llama": ("LlamaConfig", "LlamaForCausalLM",
+              dict(num_key_value_heads=1, intermediate_size=1024)),
+    "qwen2": ("Qwen2Config", "Qwen2ForCausalLM",
+              dict(num_key_value_heads=2, intermediate_size=1024)),
+    "llama_tp1": ("LlamaConfig", "LlamaForCausalLM",
+                  dict(num_key_value_heads=1, intermediate_size=1152)),
 }
 
 
