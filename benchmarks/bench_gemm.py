@@ -39,7 +39,7 @@ from mxfp8_convert.runtime import MXFP8Weight, load_checkpoint  # noqa: E402
 from mxfp8_convert.runtime.hopper.shapes import MODEL_SHAPES  # noqa: E402
 from mxfp8_convert.runtime.reference import dequantize_mxfp8, fake_quantize_mxfp8  # noqa: E402
 
-MS = (1, 16, 128, 2048, 8192)
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 8192)
 
 
 def environment() -> dict:

@@ -85,10 +85,12 @@ def _k_loop(sass: str) -> list[str]:
 
 
 @pytest.mark.parametrize("fuse,bm,qm,words", [
-    (True, 8, 1, False), (True, 8, 8, False), (True, 16, 16, False), (True, 8, 2, True), (True, 8, 8, True),
-    (True, 16, 16, True), (False, 8, 0, False), (False, 16, 0, False)],
-    ids=["fused-m1", "fused-m8", "fused-m16", "fused-m2-words", "fused-m8-words", "fused-m16-words",
-         "e4m3-by-tma-m8", "e4m3-by-tma-m16"])
+    (True, 8, 1, False), (True, 8, 8, False), (True, 16, 16, False), (True, 8, 2, True),
+    (True, 8, 8, True), (True, 16, 16, True), (True, 32, 32, True), (False, 8, 0, False),
+    (False, 16, 0, False), (False, 32, 0, False)],
+    ids=["fused-m1", "fused-m8", "fused-m16", "fused-m2-words", "fused-m8-words",
+         "fused-m16-words", "fused-m32-words", "e4m3-by-tma-m8", "e4m3-by-tma-m16",
+         "e4m3-by-tma-m32"])
 @pytest.mark.parametrize("layout,serial", [("trtllm", True), ("cutlass", False)])
 def test_wgmma_kernel_compiles_for_sm90_with_mmas_in_flight(bm, qm, words, layout, serial, fuse):
     sass = _sass(bm, layout, serial, fuse, qm, words=words)
@@ -354,3 +356,69 @@ def test_a_refused_cluster_launch_falls_back_to_global_memory(monkeypatch):
     assert calls == [(16, True, False, False), (14, False, True, True)]
     assert probe.CLUSTERS_REFUSED == {0}
     assert not wgmma_rule(2, 576, 7168, probe.device_facts(dev)).cluster
+
+
+def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool) -> tuple[str, int]:
+    """SASS and shared-memory bytes of the dequantizing wgmma kernel compiled for sm_90a."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from mxfp8_convert.runtime.hopper import dqmma
+
+    n, k = 4096, 4096
+    w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    x = torch.empty(512, k, dtype=torch.bfloat16)
+    wd = TensorDescriptor(w, [n, k], [k, 1], [block_n, 128],
+                          dqmma._smem_layout(block_n, 128, "float8e4nv"))
+    xd = TensorDescriptor(x, [512, k], [k, 1], [bm, 64], dqmma._smem_layout(bm, 64, "bfloat16"))
+    sig = {"w_desc": mangle_type(wd), "x_desc": mangle_type(xd), "s_ptr": "*i32", "b_ptr": "*bf16",
+           "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+           "stride_om": "i32", "stride_os": "i32", "scale_cp4": "i32", "split_k": "i32"}
+    const = {"LAYOUT": dqmma.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": partial,
+             "STAGES": stages, "num_warps": block_n // 16}
+    sig.update(dict.fromkeys(const, "constexpr"))
+    names = list(sig)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]]
+             for a in ("s_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_om")}
+    src = GluonASTSource(fn=dqmma._dqmma_kernel, signature=sig, constexprs=const, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": block_n // 16})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                        f"mxfp8_dqmma_{os.getpid()}_{block_n}_{bm}_{stages}_{layout}.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    return sass, kernel.metadata.shared
+
+
+@pytest.mark.parametrize("block_n,bm,stages,layout,partial", [
+    (64, 32, 3, "trtllm", True), (64, 64, 3, "cutlass", False), (64, 256, 3, "trtllm", False),
+    (128, 128, 4, "cutlass", True), (128, 256, 2, "trtllm", True)])
+def test_dqmma_kernel_keeps_its_bf16_wgmmas_in_flight(block_n, bm, stages, layout, partial):
+    """The dequantizing wgmma kernel (issue 26) for sm_90a: bf16 wgmma with the weight as the
+    register operand (``HGMMA ... R``: no shared-memory copy of the dequantized tile), two k16
+    instructions per 32-block, four blocks a K-tile (the first K-tile peeled off the loop: 8 in
+    all); the hardware's e4m3 -> f16 pair conversion; each wgmma left in flight while the next
+    block is dequantized (``DEPBAR.LE gsb0, 0x1``; only the final wait drains: ptxas did not
+    serialize them, which it does when a non-wgmma instruction may define the accumulator while
+    one is in flight); weight and activation tiles by TMA; no spills; the ring within the 227 KB
+    of shared memory a block may have."""
+    sass, shared = _dqmma_sass(block_n, bm, stages, layout, partial)
+    mma = re.findall(rf"HGMMA\.64x{bm}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+    assert len(mma) == 16, len(mma)
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= 8
+    assert "F2FP.F16.E4M3.UNPACK_B" in sass
+    assert "UTMALDG" in sass
+    ins = [(int(a, 16), t) for a, t in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    hgmma = [a for a, t in ins if "HGMMA" in t]
+    assert not [t for a, t in ins if hgmma[0] <= a <= hgmma[-1] and re.search(r"\b(STL|LDL)\b", t)]
+    assert shared <= 227 * 1024

@@ -22,7 +22,8 @@ from mxfp8_convert.runtime.reference import dequantize_mxfp8, fake_quantize_mxfp
 pytestmark = pytest.mark.gpu
 LAYOUTS = ("trtllm", "cutlass")
 # MXFP8_GPU_TEST_MAX_M=16 keeps the decode sizes only (a short device run)
-MS = tuple(m for m in (1, 2, 4, 16, 100, 2048, 8192) if m <= int(os.environ.get("MXFP8_GPU_TEST_MAX_M", "1000000")))
+MS = tuple(m for m in (1, 2, 4, 16, 32, 100, 300, 2048, 8192)
+           if m <= int(os.environ.get("MXFP8_GPU_TEST_MAX_M", "1000000")))
 
 
 def _triton():
@@ -175,7 +176,7 @@ def test_gemv_configs_agree(layout, m):
 
 
 @pytest.mark.parametrize("layout,n", [("trtllm", 576), ("trtllm", 544), ("cutlass", 544)])
-@pytest.mark.parametrize("m", [1, 3, 5, 9, 16])
+@pytest.mark.parametrize("m", [1, 3, 5, 9, 16, 24, 32])
 def test_wgmma_configs_agree(layout, n, m):
     """The Gluon wgmma decode kernel: activations quantized inside it or by a separate kernel,
     scale words loaded one to three K-tiles ahead (with 0.01 waves a single program runs all of
@@ -373,6 +374,62 @@ def test_wgmma_unaligned_bf16_rows(m):
         # in programs of 128 rows (two warpgroups) too
         wide = dataclasses.replace(cfg, block_n=128, num_warps=8)
         assert torch.equal(_check_twice(tri, xv, w, None, ref, wide), _check_twice(tri, x, w, None, ref, wide))
+
+
+@pytest.mark.parametrize("layout,n", [("trtllm", 576), ("trtllm", 544), ("cutlass", 544)])
+@pytest.mark.parametrize("m", [17, 64, 100, 257])
+def test_dqmma_configs_agree(layout, n, m):
+    """The dequantizing wgmma kernel (issue 26): 64- and 128-row programs (one or two
+    warpgroups), 32..256 tokens a program (one or several M tiles; rows past M are TMA's zero
+    fill), TMA ring depths 2..4, K unsplit or split (fp32 partials in the weight's physical row
+    order, summed by the reduction kernel, which adds the bias), N tails (544 = 8.5 x 64), the
+    physical-to-logical row mapping (trtllm); each config twice, the same bits both times. The
+    activations span 2^-10..2^10 across K and the weight codes vary per 32-block, so a scale
+    applied to the wrong block, row or K-tile fails the 1e-2 bound. The split-K reduction sums
+    the same fp32 partials whichever M tile or ring depth produced them."""
+    tri = _triton()
+    if torch.cuda.get_device_capability()[0] != 9 or _gluon() is None:
+        pytest.skip("needs Hopper and Triton's Gluon")
+    k = 7168
+    w, q, code = random_weight(n, k, layout, seed=31 + m)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+         * torch.logspace(-3, 3, k, device="cuda").bfloat16())
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+    facts = _facts()
+    for b, r in ((None, ref), (bias, ref + bias.double())):
+        by_split = {}
+        for bn in (64, 128):
+            for bm, stages in ((32, 4), (64, 3), (128, 3), (256, 2)):
+                for split in (1, 7):
+                    cfg = tri.dqmma_config(m, n, k, facts, block_n=bn, block_m=bm, stages=stages)
+                    cfg = dataclasses.replace(cfg, split_k=split)
+                    out = _check_twice(tri, x, w, b, r, cfg)
+                    by_split.setdefault((bm, split), []).append(out)
+        for outs in by_split.values():  # 64- and 128-row programs: each row's bits alike
+            assert torch.equal(outs[0], outs[1])
+
+
+def test_dqmma_rejects_what_it_cannot_read():
+    tri = _triton()
+    if torch.cuda.get_device_capability()[0] != 9 or _gluon() is None:
+        pytest.skip("needs Hopper and Triton's Gluon")
+    from mxfp8_convert.errors import LayoutError
+    from mxfp8_convert.runtime.hopper import dqmma
+
+    w, q, code = random_weight(256, 512, "trtllm", seed=5)
+    xd = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="split_k=5"):  # 4 K-tiles: a split would be empty
+        dqmma.dqmma(xd, w, None, out, None, split_k=5, block_n=64, block_m=64, stages=2)
+    with pytest.raises(LayoutError, match="bf16"):
+        dqmma.dqmma(xd.float(), w, None, out, None, split_k=1, block_n=64, block_m=64, stages=2)
+    # a canonical weight (no 128x4 scale words) takes the rule without the Gluon kernels
+    wc, qc, cc = random_weight(256, 512, "canonical", seed=6)
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    got = tri.triton_linear(x, wc)
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(qc, cc).double().t()
+    assert rel_err(got, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])

@@ -18,6 +18,7 @@ class Kernel(enum.Enum):
     GEMV = "gemv"  # gemv.py: weight stream on CUDA cores; M <= GEMV_MAX_M
     CUBLAS = "cublas"  # dequant.py + cuBLAS: the weight dequantized chunk by chunk; large M
     WGMMA = "wgmma"  # wgmma.py (Gluon): FP8 wgmma per 32-block, four in flight; Hopper, M <= 16
+    DQMMA = "dqmma"  # dqmma.py (Gluon): weight dequantized in registers, bf16 wgmma; Hopper, M > 16
 
 
 #: The decode kernel pads M to this (the N of its FP8 MMA); it serves M <= DECODE_BLOCK_M.

@@ -97,6 +97,7 @@ else:
 LAYOUT_CODE = {"cutlass": 0, "trtllm": 1}
 BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma M (``block_n=128``: two warpgroups)
 BLOCK_K = 128  # K per pipeline stage: four 32-blocks, one 128x4 scale word per row
+MAX_M = 32  # activation rows: the quantized tile is one row per thread of a warp
 
 
 @gluon.jit
@@ -489,15 +490,15 @@ def wgmma_decode(
         raise ValueError(f"block_n={block_n}: 64, or 128 (two warpgroups) from M = 3")
     if not 1 <= sw_ahead <= 3:
         raise ValueError(f"sw_ahead={sw_ahead}: 1, 2 or 3")
-    if m > 16 or not supported(weight, k) or x.stride(1) != 1:
-        raise LayoutError(f"{weight.name or 'weight'}: the wgmma decode kernel needs M <= 16, K % 128 == 0, "
-                          "a trtllm/cutlass weight and 16-byte aligned contiguous bytes")
+    if m > MAX_M or not supported(weight, k) or x.stride(1) != 1:
+        raise LayoutError(f"{weight.name or 'weight'}: the wgmma decode kernel needs M <= {MAX_M}, "
+                          "K % 128 == 0, a trtllm/cutlass weight and 16-byte aligned contiguous bytes")
     fuse = x.dtype != torch.float8_e4m3fn
     if fuse and x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
         raise LayoutError(f"activations of dtype {x.dtype}: bf16/fp16/fp32, or e4m3 with their codes")
     if not fuse and xc is None:
         raise LayoutError("e4m3 activations need their codes (xc)")
-    bm = 8 if m <= 8 else 16
+    bm = max(8, next_pow2(m))  # the MMA's N: 8, 16 or 32
     w_layout, x_layout = _smem_layout(block_n), _smem_layout(bm)
     w_desc = TensorDescriptor(weight.data, [n, k], [k, 1], [block_n, BLOCK_K], w_layout)
     x_desc = None if fuse else TensorDescriptor(x, [m, k], [k, 1], [bm, BLOCK_K], x_layout)
