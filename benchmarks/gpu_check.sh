@@ -28,10 +28,12 @@ step() { echo "=== [$((SECONDS - T0)) s] $*" | tee -a "$LOG"; }
 
 step "environment"
 { nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
-  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'triton', triton.__version__)"
+  $PY -c "import torch, triton; print('torch', torch.__version__, 'cuda', torch.version.cuda,
+    'triton', triton.__version__)"
   git log -1 --format='commit %H %s' 2>/dev/null || true; } >> "$LOG" 2>&1
 if [ ! -f old_pkg/mxfp8_convert/runtime/triton_mxfp8.py ]; then
-  echo "old_pkg/mxfp8_convert (commit a5719ef) is missing: the bit comparison cannot run" | tee -a "$LOG"
+  echo "old_pkg/mxfp8_convert (commit a5719ef) is missing: the bit comparison cannot run" \
+    | tee -a "$LOG"
   OLD=0
 else
   OLD=1
@@ -48,7 +50,8 @@ if [ "$OLD" = 1 ]; then
       --dump "$OUT/compare_bits_old.json" > "$OUT/compare_old.log" 2>&1 )
   echo "old side rc=$?" | tee -a "$LOG"
   step "compare_bits: new side"
-  PYTHONPATH="$PWD" timeout $(( $(left) > 180 ? 90 : $(left) / 2 )) $PY benchmarks/compare_bits.py old_pkg \
+  PYTHONPATH="$PWD" timeout $(( $(left) > 180 ? 90 : $(left) / 2 )) \
+    $PY benchmarks/compare_bits.py old_pkg \
     --out "$OUT" >> "$LOG" 2>&1
   echo "compare_bits rc=$?" | tee -a "$LOG"
 fi
@@ -57,7 +60,8 @@ T=$(( $(left) - 10 ))
 if [ "$T" -gt 30 ]; then
   MS=${BENCH_MS:-32,64,128,256,512,2048,8192}
   step "bench_gemm gemm --ms $MS (${T} s)"
-  PYTHONPATH="$PWD" timeout "$T" $PY benchmarks/bench_gemm.py gemm --ms "$MS" --out "$OUT" >> "$LOG" 2>&1
+  PYTHONPATH="$PWD" timeout "$T" $PY benchmarks/bench_gemm.py gemm --ms "$MS" --out "$OUT" \
+    >> "$LOG" 2>&1
   echo "bench rc=$?" | tee -a "$LOG"
 else
   echo "no time left for the benchmark" | tee -a "$LOG"

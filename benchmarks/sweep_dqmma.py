@@ -111,12 +111,20 @@ def check() -> bool:
                         wg.append(launch_options(wgmma_config(
                             m, n, k, facts, waves=2, fuse_quant=True, sw_ahead=2, max_split=16,
                             cluster=cl, block_n=bn, serial_reduce=ser), m, facts))
-                for cfg in (*wg, GemmConfig(128, 128 if m > 64 else 64, 128, Kernel.DQMMA, split_k=1,
-                                       num_stages=3, num_warps=8),
-                            GemmConfig(64, 32, 128, Kernel.DQMMA, split_k=4, num_stages=4,
-                                       num_warps=4),
-                            GemmConfig(128, 256, 128, Kernel.DQMMA, split_k=2, num_stages=2,
-                                       num_warps=8)):
+                for cfg in (
+                    *wg,
+                    GemmConfig(
+                        128,
+                        128 if m > 64 else 64,
+                        128,
+                        Kernel.DQMMA,
+                        split_k=1,
+                        num_stages=3,
+                        num_warps=8,
+                    ),
+                    GemmConfig(64, 32, 128, Kernel.DQMMA, split_k=4, num_stages=4, num_warps=4),
+                    GemmConfig(128, 256, 128, Kernel.DQMMA, split_k=2, num_stages=2, num_warps=8),
+                ):
                     for b in (None, bias):
                         out = torch.full((m, n), float("nan"), device="cuda",
                                          dtype=torch.bfloat16)
@@ -169,8 +177,9 @@ def main() -> int:
             cb = n_copies(n * k * 2 + m * k * 2, m * n * 2)
             wbs = [wbf.clone() for _ in range(cb)]
             xs = [x.clone() for _ in range(cb)]
-            t_bf = time_graph(lambda i, xs=xs, wbs=wbs: (lambda: torch.nn.functional.linear(xs[i], wbs[i])),
-                              cb)
+            t_bf = time_graph(
+                lambda i, xs=xs, wbs=wbs: lambda: torch.nn.functional.linear(xs[i], wbs[i]), cb
+            )
             del wbs
             cm = n_copies(n * k + n * k // 32 + m * k * 2, m * n * 2)
             ws = [MXFP8Weight(w.data.clone(), w.scale.clone(), w.layout) for _ in range(cm)]

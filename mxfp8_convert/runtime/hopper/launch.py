@@ -4,8 +4,9 @@
 A call without ``config`` takes :func:`default_config` (the rules of ``rules.py`` on the facts of
 ``probe.py``, memoized). Activations are quantized to MXFP8 with FlashInfer's recipe either inside
 the GEMM kernel or by :func:`quantize_activations` first; split-K partials are summed by
-``reduce.py`` or by the last program of each tile to arrive (an atomic arrival counter). From
-``cublas_min_m`` the weight is dequantized exactly by ``dequant.py`` into a transient bf16
+``reduce.py`` or by the last program of each tile to arrive (an atomic arrival counter). On the
+cuBLAS path (``rules.cublas_config``: large M, and M >= ``cublas_min_m`` where the serving rule
+does not apply) the weight is dequantized exactly by ``dequant.py`` into a transient bf16
 workspace of at most ``dequant_workspace`` elements (chunk by chunk; ``rules.TUNED``) and cuBLAS
 multiplies with fp32 accumulation (torch's ``allow_bf16_reduced_precision_reduction`` applies as
 to any bf16 matmul); the workspace goes back to torch's caching allocator after the call, the
