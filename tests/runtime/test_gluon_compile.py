@@ -273,9 +273,9 @@ def test_launcher_refuses_what_the_kernel_cannot_read():
         launch(torch.zeros(4, k, dtype=torch.int8))
     with pytest.raises(LayoutError, match="need their codes"):
         launch(torch.zeros(4, k, dtype=torch.float8_e4m3fn))
-    with pytest.raises(LayoutError, match="proj: .*M <= 16"):
-        launch(torch.zeros(17, k, dtype=torch.bfloat16))
-    with pytest.raises(LayoutError, match="proj: .*M <= 16"):
+    with pytest.raises(LayoutError, match="proj: .*M <= 32"):
+        launch(torch.zeros(33, k, dtype=torch.bfloat16))
+    with pytest.raises(LayoutError, match="proj: .*M <= 32"):
         launch(torch.zeros(k, 4, dtype=torch.bfloat16).t())  # K not contiguous
     with pytest.raises(ValueError, match="sw_ahead=4"):
         launch(torch.zeros(4, k, dtype=torch.bfloat16), sw_ahead=4)
