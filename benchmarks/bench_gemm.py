@@ -2,11 +2,15 @@
 
 Run on the GPU (never collected by pytest):
 
-    python benchmarks/bench_gemm.py gemm   [--layouts L,..] [--out DIR]  # the rule vs bf16, model shapes x M
-    python benchmarks/bench_gemm.py decode [--hot] [--out DIR]  # M <= 16: the rule vs bf16, operand copies reused
+    # the rule vs bf16, model shapes x M
+    python benchmarks/bench_gemm.py gemm   [--layouts L,..] [--out DIR]
+    # M <= 16: the rule vs bf16, operand copies reused
+    python benchmarks/bench_gemm.py decode [--hot] [--out DIR]
     python benchmarks/bench_gemm.py load   [--out DIR]   # converted vs canonical + layout at load
-    python benchmarks/bench_gemm.py quant  [--out DIR]   # the activation-quantization pass's share of a GEMM
-    python benchmarks/bench_gemm.py host   [--out DIR]   # Python time per eager call: config choice, launch
+    # the activation-quantization pass's share of a GEMM
+    python benchmarks/bench_gemm.py quant  [--out DIR]
+    # Python time per eager call: config choice, launch
+    python benchmarks/bench_gemm.py host   [--out DIR]
 
 Every mode takes --ms 1,2,... and --shapes NAME,... (substrings of the model-shape names) and
 writes ``bench_<mode>.json`` into --out (default ``$OUT``, else ``.``); ``benchmarks/results/``
@@ -39,15 +43,20 @@ from mxfp8_convert.runtime import MXFP8Weight, load_checkpoint  # noqa: E402
 from mxfp8_convert.runtime.hopper.shapes import MODEL_SHAPES  # noqa: E402
 from mxfp8_convert.runtime.reference import dequantize_mxfp8, fake_quantize_mxfp8  # noqa: E402
 
-MS = (1, 16, 128, 2048, 8192)
+MS = (1, 2, 4, 8, 16, 32, 64, 128, 256, 512, 2048, 8192)
 
 
 def environment() -> dict:
     import triton
 
-    env = {"python": platform.python_version(), "torch": torch.__version__, "triton": triton.__version__,
-           "gpu": torch.cuda.get_device_name(), "capability": torch.cuda.get_device_capability(),
-           "sms": torch.cuda.get_device_properties(0).multi_processor_count}
+    env = {
+        "python": platform.python_version(),
+        "torch": torch.__version__,
+        "triton": triton.__version__,
+        "gpu": torch.cuda.get_device_name(),
+        "capability": torch.cuda.get_device_capability(),
+        "sms": torch.cuda.get_device_properties(0).multi_processor_count,
+    }
     try:
         import flashinfer
 
@@ -124,7 +133,11 @@ def time_bf16(x, wbf) -> float:
 
 def random_weight(n: int, k: int, layout: str, seed: int = 0):
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = (torch.randn(n, k, device="cuda", generator=g) * 96).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = (
+        (torch.randn(n, k, device="cuda", generator=g) * 96)
+        .clamp(-448, 448)
+        .to(torch.float8_e4m3fn)
+    )
     code = torch.randint(116, 126, (n, k // 32), device="cuda", generator=g).to(torch.uint8)
     return MXFP8Weight.from_canonical(q, code, layout), q, code
 
@@ -154,11 +167,26 @@ def quant_share_rows(shapes, ms) -> list[dict]:
             xs = [x.clone() for _ in range(copies)]
             t_q = time_graph(_quant_calls(xs, quantize_activations), copies)
             t_mx, t_bf = time_mx(x, w, cfg), time_bf16(x, wbf)
-            rows.append({"shape": name, "m": m, "n": n, "k": k, "quant_ms": t_q, "gemm_ms": t_mx, "bf16_ms": t_bf,
-                         "quant_tbps": m * k * 4 / t_q / 1e9, "config": cfg.to_dict()})
-            print(f"{name:32s} M={m:5d} quantize {t_q * 1e3:7.1f} us ({m * k * 4 / t_q / 1e9:.2f} TB/s) = "
-                  f"{t_q / t_mx:5.1%} of the MXFP8 GEMM {t_mx * 1e3:7.1f} us; bf16 {t_bf * 1e3:7.1f} us: "
-                  f"x{t_bf / t_mx:.2f}, x{t_bf / (t_mx - t_q):.2f} without the pass", flush=True)
+            rows.append(
+                {
+                    "shape": name,
+                    "m": m,
+                    "n": n,
+                    "k": k,
+                    "quant_ms": t_q,
+                    "gemm_ms": t_mx,
+                    "bf16_ms": t_bf,
+                    "quant_tbps": m * k * 4 / t_q / 1e9,
+                    "config": cfg.to_dict(),
+                }
+            )
+            print(
+                f"{name:32s} M={m:5d} quantize {t_q * 1e3:7.1f} us "
+                f"({m * k * 4 / t_q / 1e9:.2f} TB/s) = {t_q / t_mx:5.1%} of the MXFP8 GEMM "
+                f"{t_mx * 1e3:7.1f} us; bf16 {t_bf * 1e3:7.1f} us: "
+                f"x{t_bf / t_mx:.2f}, x{t_bf / (t_mx - t_q):.2f} without the pass",
+                flush=True,
+            )
             del xs
         del w, wbf
         torch.cuda.empty_cache()
@@ -195,10 +223,13 @@ def gemm_rows(shapes, ms, layouts=("trtllm", "cutlass"), save=None) -> list[dict
                              "rel_err": rel_err(out, x, q, code),
                              "unwritten": int(out.isnan().sum()), "config": cfg.to_dict()})
                 r = rows[-1]
-                print(f"{name:32s} M={m:5d} {lay:8s} {r['tflops']:7.1f} TF/s  "
-                      f"bf16 {r['bf16_tflops']:7.1f}  x{r['ratio']:.2f}  err {r['rel_err']:.1e}  "
-                      f"{t * 1e3:8.1f} us" + (f"  UNWRITTEN {r['unwritten']}" if r["unwritten"] else ""),
-                      flush=True)
+                print(
+                    f"{name:32s} M={m:5d} {lay:8s} {r['tflops']:7.1f} TF/s  "
+                    f"bf16 {r['bf16_tflops']:7.1f}  x{r['ratio']:.2f}  err {r['rel_err']:.1e}  "
+                    f"{t * 1e3:8.1f} us"
+                    + (f"  UNWRITTEN {r['unwritten']}" if r["unwritten"] else ""),
+                    flush=True,
+                )
             del x
         del wbf, mx
         torch.cuda.empty_cache()
@@ -249,8 +280,11 @@ def _read_calls(ws, block: int, iters: int):
     words = [w.data.view(torch.int32).view(-1) for w in ws]
     grid = triton.cdiv(words[0].numel(), block * iters)
     sink = torch.empty(grid, dtype=torch.int32, device=words[0].device)
-    return lambda i: (lambda: _read_kernel[(grid,)](words[i], sink, words[i].numel(), BLOCK=block, ITERS=iters,
-                                                    num_warps=8))
+    return lambda i: (
+        lambda: _read_kernel[(grid,)](
+            words[i], sink, words[i].numel(), BLOCK=block, ITERS=iters, num_warps=8
+        )
+    )
 
 
 def _linear_calls(xs, wbfs):
@@ -281,7 +315,9 @@ def decode_rows(shapes, ms, layouts, floor: bool = False, hot: bool = False) -> 
         for lay in layouts:
             w, q, code = random_weight(n, k, lay)
             mx[lay] = (w, q, code)
-            ws[lay] = [w] + [MXFP8Weight(w.data.clone(), w.scale.clone(), lay) for _ in range(c_mx - 1)]
+            ws[lay] = [w] + [
+                MXFP8Weight(w.data.clone(), w.scale.clone(), lay) for _ in range(c_mx - 1)
+            ]
         wref = dequantize_mxfp8(q, code).double().t()
         for m in ms:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
@@ -295,8 +331,11 @@ def decode_rows(shapes, ms, layouts, floor: bool = False, hot: bool = False) -> 
                              "variant": "read-only", "us": t_read * 1e3, "bf16_us": t_bf16 * 1e3,
                              "ratio": t_bf16 / t_read, "rel_err": 0.0, "unwritten": 0,
                              "weight_tbps": n * k / t_read / 1e9})
-                print(f"{name:32s} M={m:3d} reading the fp8 weight alone {t_read * 1e3:8.1f} us  "
-                      f"bf16 {t_bf16 * 1e3:8.1f} us  x{t_bf16 / t_read:.2f} (the ceiling)", flush=True)
+                print(
+                    f"{name:32s} M={m:3d} reading the fp8 weight alone {t_read * 1e3:8.1f} us  "
+                    f"bf16 {t_bf16 * 1e3:8.1f} us  x{t_bf16 / t_read:.2f} (the ceiling)",
+                    flush=True,
+                )
             cfg = choose_config(m, n, k, facts)
             for lay in layouts:
                 out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
@@ -304,14 +343,30 @@ def decode_rows(shapes, ms, layouts, floor: bool = False, hot: bool = False) -> 
                 t = time_graph(_mx_calls(xs, ws[lay], cfg), c_mx)
                 unwritten = int(out.isnan().sum())
                 err = float((out.double() - ref).norm() / ref.norm())
-                rows.append({"shape": name, "m": m, "n": n, "k": k, "layout": lay, "variant": "rule",
-                             "us": t * 1e3, "bf16_us": t_bf16 * 1e3, "ratio": t_bf16 / t,
-                             "rel_err": err, "unwritten": unwritten,
-                             "weight_tbps": n * k * 1.03125 / t / 1e9,
-                             "bf16_tbps": n * k * 2 / t_bf16 / 1e9, "config": cfg.to_dict()})
-                print(f"{name:32s} M={m:3d} {lay:8s} {t * 1e3:8.1f} us  bf16 {t_bf16 * 1e3:8.1f} us  "
-                      f"x{t_bf16 / t:.2f}  err {err:.1e}"
-                      + (f"  UNWRITTEN {unwritten}" if unwritten else ""), flush=True)
+                rows.append(
+                    {
+                        "shape": name,
+                        "m": m,
+                        "n": n,
+                        "k": k,
+                        "layout": lay,
+                        "variant": "rule",
+                        "us": t * 1e3,
+                        "bf16_us": t_bf16 * 1e3,
+                        "ratio": t_bf16 / t,
+                        "rel_err": err,
+                        "unwritten": unwritten,
+                        "weight_tbps": n * k * 1.03125 / t / 1e9,
+                        "bf16_tbps": n * k * 2 / t_bf16 / 1e9,
+                        "config": cfg.to_dict(),
+                    }
+                )
+                print(
+                    f"{name:32s} M={m:3d} {lay:8s} {t * 1e3:8.1f} us  bf16 {t_bf16 * 1e3:8.1f} us  "
+                    f"x{t_bf16 / t:.2f}  err {err:.1e}"
+                    + (f"  UNWRITTEN {unwritten}" if unwritten else ""),
+                    flush=True,
+                )
             del xs, x
         del wbf, wbfs, mx, ws, wref
         torch.cuda.empty_cache()
@@ -319,15 +374,22 @@ def decode_rows(shapes, ms, layouts, floor: bool = False, hot: bool = False) -> 
 
 
 def load_bench(root: Path, layers: int = 8) -> dict:
-    """Load a converted checkpoint onto the GPU vs load a canonical one and lay it out on the GPU."""
+    """Load a converted checkpoint onto the GPU vs load a canonical one and lay it out on the
+    GPU."""
     from safetensors.torch import save_file
 
     from mxfp8_convert import convert
     from mxfp8_convert.backends import BACKENDS
 
-    shapes = {"self_attn.q_proj": (4096, 4096), "self_attn.k_proj": (1024, 4096), "self_attn.v_proj": (1024, 4096),
-              "self_attn.o_proj": (4096, 4096), "mlp.gate_proj": (14336, 4096), "mlp.up_proj": (14336, 4096),
-              "mlp.down_proj": (4096, 14336)}
+    shapes = {
+        "self_attn.q_proj": (4096, 4096),
+        "self_attn.k_proj": (1024, 4096),
+        "self_attn.v_proj": (1024, 4096),
+        "self_attn.o_proj": (4096, 4096),
+        "mlp.gate_proj": (14336, 4096),
+        "mlp.up_proj": (14336, 4096),
+        "mlp.down_proj": (4096, 14336),
+    }
     canon = {}
     for i in range(layers):
         for mod, (n, k) in shapes.items():
@@ -338,8 +400,13 @@ def load_bench(root: Path, layers: int = 8) -> dict:
     tensors = {f"{name}.{part}": t.contiguous() for name, (q, code) in canon.items()
                for part, t in (("weight", q), ("weight_scale_inv", code))}
     save_file(tensors, str(src_dir / "model.safetensors"))
-    qc = {"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
-          "activation_scheme": "dynamic"}
+    qc = {
+        "quant_method": "mxfp8",
+        "fmt": "e4m3",
+        "weight_block_size": [1, 32],
+        "scale_fmt": "ue8m0",
+        "activation_scheme": "dynamic",
+    }
     (src_dir / "config.json").write_text(json.dumps(
         {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "quantization_config": qc}))
     conv_dir = root / "converted"
@@ -369,7 +436,10 @@ def load_bench(root: Path, layers: int = 8) -> dict:
 
     times = {"converted": [], "canonical_plus_layout": []}
     for _ in range(3):
-        for key, fn in (("converted", load_converted), ("canonical_plus_layout", load_canonical_and_layout)):
+        for key, fn in (
+            ("converted", load_converted),
+            ("canonical_plus_layout", load_canonical_and_layout),
+        ):
             torch.cuda.empty_cache()
             t0 = time.perf_counter()
             res = fn()
@@ -386,16 +456,27 @@ def load_bench(root: Path, layers: int = 8) -> dict:
     torch.cuda.synchronize()
     t_layout = time.perf_counter() - t0
     med = {k: sorted(v)[1] for k, v in times.items()}
-    res = {"layers": layers, "bytes": nbytes, "times_s": times, "median_s": med, "layout_only_s": t_layout,
-           "modules": len(canon)}
-    print(f"load: {nbytes / 1e9:.2f} GB, {len(canon)} modules; converted {med['converted']:.3f} s, "
-          f"canonical+layout {med['canonical_plus_layout']:.3f} s, layout alone on GPU {t_layout:.3f} s", flush=True)
+    res = {
+        "layers": layers,
+        "bytes": nbytes,
+        "times_s": times,
+        "median_s": med,
+        "layout_only_s": t_layout,
+        "modules": len(canon),
+    }
+    print(
+        f"load: {nbytes / 1e9:.2f} GB, {len(canon)} modules; converted {med['converted']:.3f} s, "
+        f"canonical+layout {med['canonical_plus_layout']:.3f} s, "
+        f"layout alone on GPU {t_layout:.3f} s",
+        flush=True,
+    )
     return res
 
 
 def host_rows(shapes, ms) -> list[dict]:
     """Host (Python) microseconds per eager call, no GPU timing: the rule's choice
-    (``choose_config`` on freshly probed facts) against its memoized form (``default_config``, what a call without
+    (``choose_config`` on freshly probed facts) against its memoized form (``default_config``, what
+    a call without
     ``config`` uses), and a whole ``triton_linear`` call (choice + launches, the GPU left to run)
     with the cache kept against the cache emptied before each call. Median of 5 rounds of 200."""
     import statistics
@@ -432,14 +513,25 @@ def host_rows(shapes, ms) -> list[dict]:
                 default_config.cache_clear()
                 triton_linear(x, w, out=out)
 
-            row = {"shape": name, "m": m, "n": n, "k": k,
-                   "choose_us": per_call(lambda m=m, n=n, k=k: choose_config(m, n, k, device_facts(dev))),
-                   "memo_us": per_call(lambda m=m, n=n, k=k: default_config(m, n, k, dev, pdl)),
-                   "call_us": per_call(lambda x=x, w=w, out=out: triton_linear(x, w, out=out)),
-                   "call_nomemo_us": per_call(cold)}
+            row = {
+                "shape": name,
+                "m": m,
+                "n": n,
+                "k": k,
+                "choose_us": per_call(
+                    lambda m=m, n=n, k=k: choose_config(m, n, k, device_facts(dev))
+                ),
+                "memo_us": per_call(lambda m=m, n=n, k=k: default_config(m, n, k, dev, pdl)),
+                "call_us": per_call(lambda x=x, w=w, out=out: triton_linear(x, w, out=out)),
+                "call_nomemo_us": per_call(cold),
+            }
             rows.append(row)
-            print(f"{name:32s} M={m:3d} choose {row['choose_us']:6.1f} us  memoized {row['memo_us']:5.2f} us  "
-                  f"call {row['call_us']:6.1f} us (rule each call: {row['call_nomemo_us']:6.1f} us)", flush=True)
+            print(
+                f"{name:32s} M={m:3d} choose {row['choose_us']:6.1f} us  "
+                f"memoized {row['memo_us']:5.2f} us  "
+                f"call {row['call_us']:6.1f} us (rule each call: {row['call_nomemo_us']:6.1f} us)",
+                flush=True,
+            )
     return rows
 
 
@@ -450,9 +542,17 @@ def main() -> None:
                    help="decode: also time a kernel that only reads the fp8 weight bytes")
     p.add_argument("--hot", action="store_true",
                    help="decode: one activation tensor for every call (hot in L2, as in a model)")
-    p.add_argument("--shapes", default="", help="only shapes whose name contains one of these (comma-separated)")
+    p.add_argument(
+        "--shapes",
+        default="",
+        help="only shapes whose name contains one of these (comma-separated)",
+    )
     p.add_argument("--out", default=os.environ.get("OUT", "."))
-    p.add_argument("--layouts", default="trtllm,cutlass", help="gemm, decode: layouts to time (comma-separated)")
+    p.add_argument(
+        "--layouts",
+        default="trtllm,cutlass",
+        help="gemm, decode: layouts to time (comma-separated)",
+    )
     p.add_argument("--ms", default="")
     args = p.parse_args()
     out = Path(args.out)
@@ -463,7 +563,11 @@ def main() -> None:
     print(json.dumps(result["env"]), flush=True)
     keys = [key for key in args.shapes.split(",") if key]
     shapes = [sh for sh in MODEL_SHAPES if not keys or any(key in sh[0] for key in keys)]
-    ms = [int(m) for m in args.ms.split(",")] if args.ms else list(DECODE_MS if args.mode == "decode" else MS)
+    ms = (
+        [int(m) for m in args.ms.split(",")]
+        if args.ms
+        else list(DECODE_MS if args.mode == "decode" else MS)
+    )
     layouts = tuple(args.layouts.split(","))
     if args.mode == "gemm":
         result["bf16_peak_tflops_8192"] = peak_bf16()

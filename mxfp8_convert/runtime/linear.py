@@ -51,7 +51,8 @@ def mxfp8_linear(
 
     Args:
         x: ``[..., K]`` activations (bf16, fp16 or fp32) on the weight's device.
-        weight: :class:`MXFP8Weight` (``[N, K]`` logical) in the layout its checkpoint was written for.
+        weight: :class:`MXFP8Weight` (``[N, K]`` logical) in the layout its checkpoint was written
+        for.
         bias: optional ``[N]``.
         engine: ``"auto"``, ``"flashinfer"``, ``"triton"`` or ``"reference"`` (see ``select.py``).
 
@@ -70,9 +71,13 @@ def mxfp8_linear(
     n, k = weight.shape
     check_input_dtype(x, weight.name)
     if x.shape[-1] != k:
-        raise LayoutError(f"{weight.name or 'weight'}: input has {x.shape[-1]} features, weight expects {k}")
+        raise LayoutError(
+            f"{weight.name or 'weight'}: input has {x.shape[-1]} features, weight expects {k}"
+        )
     if x.device != weight.device:
-        raise LayoutError(f"{weight.name or 'weight'}: input on {x.device}, weight on {weight.device}")
+        raise LayoutError(
+            f"{weight.name or 'weight'}: input on {x.device}, weight on {weight.device}"
+        )
     name = _engine_for(engine, x.device, weight.layout)
     x2d = x.reshape(-1, k)
     out = ENGINES[name].run(x2d, weight, bias)
@@ -92,7 +97,9 @@ class MXFP8Linear(nn.Module):
         engine: engine name passed to :func:`mxfp8_linear` on every call.
     """
 
-    def __init__(self, weight: MXFP8Weight, bias: torch.Tensor | None = None, engine: str = "auto") -> None:
+    def __init__(
+        self, weight: MXFP8Weight, bias: torch.Tensor | None = None, engine: str = "auto"
+    ) -> None:
         super().__init__()
         self.out_features, self.in_features = weight.shape
         self.layout = weight.layout
@@ -101,7 +108,9 @@ class MXFP8Linear(nn.Module):
         self.register_buffer("weight_data", weight.data.view(torch.uint8))
         self.register_buffer("weight_scale", weight.scale)
         if bias is not None and tuple(bias.shape) != (self.out_features,):
-            raise LayoutError(f"{self.name or 'linear'}: bias shape {list(bias.shape)} != [{self.out_features}]")
+            raise LayoutError(
+                f"{self.name or 'linear'}: bias shape {list(bias.shape)} != [{self.out_features}]"
+            )
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
 
     @property
@@ -122,6 +131,7 @@ class MXFP8Linear(nn.Module):
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, layout: str, engine: str = "auto") -> MXFP8Linear:
-        """Quantize an ``nn.Linear``'s weight with FlashInfer's recipe and lay it out (tests, demos)."""
+        """Quantize an ``nn.Linear``'s weight with FlashInfer's recipe and lay it out (tests,
+        demos)."""
         w = MXFP8Weight.quantize(linear.weight.detach().float(), layout)
         return cls(w, None if linear.bias is None else linear.bias.detach(), engine)

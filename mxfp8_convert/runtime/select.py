@@ -2,8 +2,10 @@
 
 | engine | runs on | layouts | how |
 |---|---|---|---|
-| ``flashinfer`` | SM100 family (per the layout's compute capabilities) | trtllm, cutlass | ``mm_mxfp8`` |
-| ``triton`` | Hopper SM90 (any CUDA GPU with bf16 MMA, SM80+) | trtllm, cutlass, canonical | our kernel |
+| ``flashinfer`` | SM100 family (per the layout's compute capabilities) | trtllm, cutlass |
+``mm_mxfp8`` |
+| ``triton`` | Hopper SM90 (any CUDA GPU with bf16 MMA, SM80+) | trtllm, cutlass, canonical | our
+kernel |
 | ``reference`` | anywhere (CPU included) | all | invert layout, float32 matmul |
 
 ``engine="auto"`` picks flashinfer on SM100+, triton on SM80/SM90, reference on CPU; the
@@ -76,7 +78,11 @@ def _check_flashinfer(device: torch.device, layout: str) -> None:
     supported = BACKENDS[layout].compute_capabilities
     if cc not in supported:
         others = [b for b in KERNEL_LAYOUTS if cc in BACKENDS[b].compute_capabilities]
-        hint = "use engine='triton'" if cc < 100 else f"convert for {' or '.join(others) or 'another backend'}"
+        hint = (
+            "use engine='triton'"
+            if cc < 100
+            else f"convert for {' or '.join(others) or 'another backend'}"
+        )
         raise (MarkerError if others else BackendUnavailableError)(
             f"checkpoint is laid out for FlashInfer's {layout} mm_mxfp8, which runs on "
             f"SM{'/'.join(map(str, supported))}; this GPU is {_where(device)}",
@@ -85,7 +91,9 @@ def _check_flashinfer(device: torch.device, layout: str) -> None:
     if importlib.util.find_spec("flashinfer") is None:
         from mxfp8_convert.runtime.sm100 import INSTALL_HINT
 
-        raise BackendUnavailableError("engine 'flashinfer' needs FlashInfer, which is not installed", hint=INSTALL_HINT)
+        raise BackendUnavailableError(
+            "engine 'flashinfer' needs FlashInfer, which is not installed", hint=INSTALL_HINT
+        )
 
 
 def _check_triton(device: torch.device, layout: str) -> None:
@@ -98,7 +106,8 @@ def _check_triton(device: torch.device, layout: str) -> None:
         return  # Triton's interpreter: tests only
     if device.type != "cuda" or _capability(device) < 80:
         raise BackendUnavailableError(
-            f"engine 'triton' needs a CUDA GPU with bf16 tensor cores (SM80+), got {_where(device)}",
+            f"engine 'triton' needs a CUDA GPU with bf16 tensor cores (SM80+), "
+            f"got {_where(device)}",
             hint="use engine='reference' (or TRITON_INTERPRET=1 for tests on CPU)",
         )
 
@@ -133,13 +142,17 @@ class EngineSpec:
     name: str
     layouts: tuple[str, ...]
     check: Callable[[torch.device, str], None]  # raises when it cannot run `layout` on `device`
-    run: Callable[[torch.Tensor, MXFP8Weight, torch.Tensor | None], torch.Tensor]  # x [M, K] -> bf16
+    run: Callable[
+        [torch.Tensor, MXFP8Weight, torch.Tensor | None], torch.Tensor
+    ]  # x [M, K] -> bf16
 
 
 ENGINES: dict[str, EngineSpec] = {
     "flashinfer": EngineSpec("flashinfer", KERNEL_LAYOUTS, _check_flashinfer, _run_flashinfer),
     "triton": EngineSpec("triton", (*KERNEL_LAYOUTS, CANONICAL), _check_triton, _run_triton),
-    "reference": EngineSpec("reference", (*KERNEL_LAYOUTS, CANONICAL), _check_reference, _run_reference),
+    "reference": EngineSpec(
+        "reference", (*KERNEL_LAYOUTS, CANONICAL), _check_reference, _run_reference
+    ),
 }
 
 

@@ -21,8 +21,19 @@ import torch
 wgmma_mod = pytest.importorskip("mxfp8_convert.runtime.hopper.wgmma")
 
 
-def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool = False, words: bool = False,
-          cluster: int = 0, block_n: int = 64, prefetch: bool = False, x_prefetch: bool = False) -> str:
+def _sass(
+    bm: int,
+    layout: str,
+    serial: bool,
+    fuse: bool,
+    qm: int = 0,
+    pdl: bool = False,
+    words: bool = False,
+    cluster: int = 0,
+    block_n: int = 64,
+    prefetch: bool = False,
+    x_prefetch: bool = False,
+) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon import language as gl
@@ -36,28 +47,68 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
     wd = TensorDescriptor(w, [n, k], [k, 1], [block_n, bk],
                           gl.NVMMASharedLayout.get_default_for([block_n, bk], gl.float8e4nv))
     x_smem = gl.NVMMASharedLayout.get_default_for([bm, bk], gl.float8e4nv)
-    sig = {"w_desc": mangle_type(wd), "x_desc": "constexpr", "x_ptr": "*bf16", "s_ptr": "*i32", "xc_ptr": "*i32",
-           "b_ptr": "*bf16", "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
-           "K": "i32", "stride_xm": "i32", "stride_om": "i32", "stride_os": "i32", "scale_cp4": "i32",
-           "split_k": "i32"}
+    sig = {
+        "w_desc": mangle_type(wd),
+        "x_desc": "constexpr",
+        "x_ptr": "*bf16",
+        "s_ptr": "*i32",
+        "xc_ptr": "*i32",
+        "b_ptr": "*bf16",
+        "out_ptr": "*bf16",
+        "ws_ptr": "*fp32",
+        "lock_ptr": "*i32",
+        "M": "i32",
+        "N": "i32",
+        "K": "i32",
+        "stride_xm": "i32",
+        "stride_om": "i32",
+        "stride_os": "i32",
+        "scale_cp4": "i32",
+        "split_k": "i32",
+    }
     const = {"x_desc": None}
     if words:  # bf16 activations as int32 words of two
         sig["x_ptr"] = "*i32"
     if not fuse:  # e4m3 activations by TMA
         xq = torch.empty(16, k, dtype=torch.float8_e4m3fn)
-        sig.update(x_desc=mangle_type(TensorDescriptor(xq, [16, k], [k, 1], [bm, bk], x_smem)), x_ptr="*fp8e4nv")
+        sig.update(
+            x_desc=mangle_type(TensorDescriptor(xq, [16, k], [k, 1], [bm, bk], x_smem)),
+            x_ptr="*fp8e4nv",
+        )
         const = {}
-    const.update({"LAYOUT": wgmma_mod.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": True, "SERIAL": serial,
-                  "FUSE_QUANT": fuse, "BM": bm, "QM": qm or bm, "X_SMEM": x_smem, "STAGES": 2, "SW_AHEAD": 3,
-                  "PDL": pdl, "RED_CHUNK": 4, "X_WORDS": words, "CLUSTER": cluster,
-                  "RED_E": block_n * bm >> (cluster.bit_length() - 1) if cluster else 0,
-                  "PREFETCH": prefetch, "PHYS": False, "X_PREFETCH": x_prefetch, "num_warps": block_n // 16})
+    const.update(
+        {
+            "LAYOUT": wgmma_mod.LAYOUT_CODE[layout],
+            "HAS_BIAS": True,
+            "PARTIAL": True,
+            "SERIAL": serial,
+            "FUSE_QUANT": fuse,
+            "BM": bm,
+            "QM": qm or bm,
+            "X_SMEM": x_smem,
+            "STAGES": 2,
+            "SW_AHEAD": 3,
+            "PDL": pdl,
+            "RED_CHUNK": 4,
+            "X_WORDS": words,
+            "CLUSTER": cluster,
+            "RED_E": block_n * bm >> (cluster.bit_length() - 1) if cluster else 0,
+            "PREFETCH": prefetch,
+            "PHYS": False,
+            "X_PREFETCH": x_prefetch,
+            "num_warps": block_n // 16,
+        }
+    )
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
              for a in ("x_ptr", "s_ptr", "xc_ptr", "out_ptr", "ws_ptr", "K", "stride_xm")}
-    src = GluonASTSource(fn=wgmma_mod._wgmma_decode_kernel, signature=sig, constexprs=const, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_n // 16})
+    src = GluonASTSource(
+        fn=wgmma_mod._wgmma_decode_kernel, signature=sig, constexprs=const, attrs=attrs
+    )
+    kernel = triton.compile(
+        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_n // 16}
+    )
     assert kernel.metadata.shared <= 64 * 1024
     cubin = kernel.asm["cubin"]
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
@@ -67,8 +118,12 @@ def _sass(bm: int, layout: str, serial: bool, fuse: bool, qm: int = 0, pdl: bool
     with open(path, "wb") as f:
         f.write(cubin)
     try:
-        return subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path], capture_output=True, text=True,
-                              check=True).stdout
+        return subprocess.run(
+            [os.path.join(tools, "cuobjdump"), "-sass", path],
+            capture_output=True,
+            text=True,
+            check=True,
+        ).stdout
     finally:
         os.unlink(path)
 
@@ -85,14 +140,18 @@ def _k_loop(sass: str) -> list[str]:
 
 
 @pytest.mark.parametrize("fuse,bm,qm,words", [
-    (True, 8, 1, False), (True, 8, 8, False), (True, 16, 16, False), (True, 8, 2, True), (True, 8, 8, True),
-    (True, 16, 16, True), (False, 8, 0, False), (False, 16, 0, False)],
-    ids=["fused-m1", "fused-m8", "fused-m16", "fused-m2-words", "fused-m8-words", "fused-m16-words",
-         "e4m3-by-tma-m8", "e4m3-by-tma-m16"])
+    (True, 8, 1, False), (True, 8, 8, False), (True, 16, 16, False), (True, 8, 2, True),
+    (True, 8, 8, True), (True, 16, 16, True), (True, 32, 32, True), (False, 8, 0, False),
+    (False, 16, 0, False), (False, 32, 0, False)],
+    ids=["fused-m1", "fused-m8", "fused-m16", "fused-m2-words", "fused-m8-words",
+         "fused-m16-words", "fused-m32-words", "e4m3-by-tma-m8", "e4m3-by-tma-m16",
+         "e4m3-by-tma-m32"])
 @pytest.mark.parametrize("layout,serial", [("trtllm", True), ("cutlass", False)])
 def test_wgmma_kernel_compiles_for_sm90_with_mmas_in_flight(bm, qm, words, layout, serial, fuse):
     sass = _sass(bm, layout, serial, fuse, qm, words=words)
-    assert len(re.findall(rf"QGMMA\.64x{bm}x32\.F32\.E4M3\.E4M3", sass)) == 4  # one per 32-block of the tile
+    assert (
+        len(re.findall(rf"QGMMA\.64x{bm}x32\.F32\.E4M3\.E4M3", sass)) == 4
+    )  # one per 32-block of the tile
     waits = re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", sass)
     assert waits == ["3", "2", "1", "0"]  # each part waited for while the later ones still run
     # by TMA: weights and (not fused) activations, in the prologue and the loop
@@ -123,7 +182,9 @@ def test_two_warpgroups_share_one_quantized_activation_tile(qm, words, cluster):
     reads); no spills, and at most 128 registers a thread: two programs fit an SM, which the rule
     counts on (``WGMMA_WIDE_PER_SM``)."""
     bm = 8 if qm <= 8 else 16
-    wide = _sass(bm, "trtllm", not cluster, True, qm, pdl=True, words=words, cluster=cluster, block_n=128)
+    wide = _sass(
+        bm, "trtllm", not cluster, True, qm, pdl=True, words=words, cluster=cluster, block_n=128
+    )
     narrow = _sass(bm, "trtllm", not cluster, True, qm, pdl=True, words=words, cluster=cluster)
     assert len(re.findall(rf"QGMMA\.64x{bm}x32\.F32\.E4M3\.E4M3", wide)) == 4
     assert re.findall(r"WARPGROUP\.DEPBAR\.LE gsb0, 0x(\d)", wide) == ["3", "2", "1", "0"]
@@ -141,7 +202,9 @@ def test_pdl_waits_for_the_previous_kernel_before_any_memory_access(fuse):
     """Launched as a programmatic dependent, the kernel waits for the previous kernel
     (``griddepcontrol.wait``: ACQBULK) before its first load, store, TMA or mbarrier operation,
     then lets the next kernel launch (PREEXIT); without PDL neither instruction is there."""
-    memory = re.compile(r"\b(LDG|STG|LDS|STS|ATOM|ATOMG|RED|UTMALDG|UTMAPF|SYNCS)\b")  # not LDC: parameters
+    memory = re.compile(
+        r"\b(LDG|STG|LDS|STS|ATOM|ATOMG|RED|UTMALDG|UTMAPF|SYNCS)\b"
+    )  # not LDC: parameters
     sass = _sass(8, "trtllm", True, fuse, pdl=True)
     ins = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", sass, re.M)
     first_wait = next(i for i, t in enumerate(ins) if t.startswith("ACQBULK"))
@@ -159,8 +222,19 @@ def test_prefetch_loads_only_the_weight_before_the_wait(x_prefetch, words):
     32-bit loads) before ``griddepcontrol.wait``, and nothing else: the activations (int32 words
     or bf16 elements, 128-bit loads) are read, and anything is stored, only after the wait. With
     ``X_PREFETCH`` each thread also asks L2 for one line of the activations (``CCTL.E.PF2``, the
-    SASS of ``prefetch.global.L2``: no register receives a value) before the wait; without it, none."""
-    sass = _sass(16, "trtllm", False, True, qm=16, pdl=True, words=words, prefetch=True, x_prefetch=x_prefetch)
+    SASS of ``prefetch.global.L2``: no register receives a value) before the wait; without it,
+    none."""
+    sass = _sass(
+        16,
+        "trtllm",
+        False,
+        True,
+        qm=16,
+        pdl=True,
+        words=words,
+        prefetch=True,
+        x_prefetch=x_prefetch,
+    )
     ins = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", sass, re.M)
     wait = next(i for i, t in enumerate(ins) if t.startswith("ACQBULK"))
     before, after = ins[:wait], ins[wait:]
@@ -168,10 +242,14 @@ def test_prefetch_loads_only_the_weight_before_the_wait(x_prefetch, words):
     loads = [t for t in before if re.search(r"\bLDG\b", t)]
     assert len(loads) == 6 and all(re.search(r"\bLDG\.E\s", t) for t in loads), loads
     assert not any(re.search(r"\b(STG|STS|ATOM|ATOMG|RED)\b", t) for t in before)
-    pf = re.compile(r"^(@!?P\d+ )?CCTL\.E\.PF2 ")  # predicated: threads past the split's lines ask for none
+    pf = re.compile(
+        r"^(@!?P\d+ )?CCTL\.E\.PF2 "
+    )  # predicated: threads past the split's lines ask for none
     assert sum(bool(pf.match(t)) for t in before) == x_prefetch
     assert not any(pf.match(t) for t in after)
-    assert any(re.search(r"\bLDG\.E\.128\b", t) for t in after)  # the activation words, or 8 elements
+    assert any(
+        re.search(r"\bLDG\.E\.128\b", t) for t in after
+    )  # the activation words, or 8 elements
     assert any(t.startswith("PREEXIT") for t in after)
 
 
@@ -183,7 +261,9 @@ def test_launcher_refuses_what_the_kernel_cannot_read():
 
     n, k = 128, 256
     q = torch.zeros(n, k, dtype=torch.float8_e4m3fn)
-    w = MXFP8Weight.from_canonical(q, torch.full((n, k // 32), 127, dtype=torch.uint8), "trtllm", "proj")
+    w = MXFP8Weight.from_canonical(
+        q, torch.full((n, k // 32), 127, dtype=torch.uint8), "trtllm", "proj"
+    )
     out = torch.full((4, n), float("nan"), dtype=torch.bfloat16)
 
     def launch(x, **kw):
@@ -193,16 +273,20 @@ def test_launcher_refuses_what_the_kernel_cannot_read():
         launch(torch.zeros(4, k, dtype=torch.int8))
     with pytest.raises(LayoutError, match="need their codes"):
         launch(torch.zeros(4, k, dtype=torch.float8_e4m3fn))
-    with pytest.raises(LayoutError, match="proj: .*M <= 16"):
-        launch(torch.zeros(17, k, dtype=torch.bfloat16))
-    with pytest.raises(LayoutError, match="proj: .*M <= 16"):
+    with pytest.raises(LayoutError, match="proj: .*M <= 32"):
+        launch(torch.zeros(33, k, dtype=torch.bfloat16))
+    with pytest.raises(LayoutError, match="proj: .*M <= 32"):
         launch(torch.zeros(k, 4, dtype=torch.bfloat16).t())  # K not contiguous
     with pytest.raises(ValueError, match="sw_ahead=4"):
         launch(torch.zeros(4, k, dtype=torch.bfloat16), sw_ahead=4)
     # no split of K without a K-tile: 10 splits of 32 tiles are 8 of 4 and two empty ones
     kk = 4096
-    wk = MXFP8Weight.from_canonical(torch.zeros(n, kk, dtype=torch.float8_e4m3fn),
-                                    torch.full((n, kk // 32), 127, dtype=torch.uint8), "trtllm", "proj")
+    wk = MXFP8Weight.from_canonical(
+        torch.zeros(n, kk, dtype=torch.float8_e4m3fn),
+        torch.full((n, kk // 32), 127, dtype=torch.uint8),
+        "trtllm",
+        "proj",
+    )
     x = torch.zeros(4, kk, dtype=torch.bfloat16)
     with pytest.raises(ValueError, match="split_k=10: leaves a split of K = 4096 .* empty"):
         wgmma_mod.wgmma_decode(x, wk, None, out, None, None, split_k=10)
@@ -227,8 +311,12 @@ def test_activation_words_are_used_one_k_tile_after_their_load(bm, qm):
     unpacking waited on the load in the same iteration: 28 % of the stall samples, Nsight Compute
     on the H200)."""
     loop = _k_loop(_sass(bm, "trtllm", True, True, qm, words=True))
-    loads = [(i, t) for i, t in enumerate(loop) if re.search(r"\bLDG\.E\.(64|128)\b", t)]  # scale words: LDG.E
-    assert len(loads) == max(1, qm // 8)  # QM / 2 words a thread: one 8- or 16-byte load, two at QM = 16
+    loads = [
+        (i, t) for i, t in enumerate(loop) if re.search(r"\bLDG\.E\.(64|128)\b", t)
+    ]  # scale words: LDG.E
+    assert len(loads) == max(
+        1, qm // 8
+    )  # QM / 2 words a thread: one 8- or 16-byte load, two at QM = 16
     for i, t in loads:
         dest = _regs(t.split("LDG", 1)[1].split(",")[0])
         dest = {r + j for r in dest for j in range(4 if ".128" in t else 2)}
@@ -236,7 +324,9 @@ def test_activation_words_are_used_one_k_tile_after_their_load(bm, qm):
             op, _, args = re.sub(r"^@!?U?P\w+\s+", "", later).partition(" ")
             parts = args.split(",")
             sources = parts if op.startswith(("ST", "RED", "ATOM", "BAR", "BRA")) else parts[1:]
-            assert not dest & set().union(*map(_regs, sources)), f"{later} reads the words {t} loaded"
+            assert not dest & set().union(*map(_regs, sources)), (
+                f"{later} reads the words {t} loaded"
+            )
 
 
 def test_launch_helpers_match_triton():
@@ -253,7 +343,9 @@ def test_launch_helpers_match_triton():
             assert cdiv(a, b) == triton.cdiv(a, b)
     for rows in (8, 16, wgmma_mod.BLOCK_N):
         expect = gl.NVMMASharedLayout.get_default_for([rows, wgmma_mod.BLOCK_K], gl.float8e4nv)
-        assert wgmma_mod._smem_layout(rows) == expect and wgmma_mod._smem_layout(rows) is wgmma_mod._smem_layout(rows)
+        assert wgmma_mod._smem_layout(rows) == expect and wgmma_mod._smem_layout(
+            rows
+        ) is wgmma_mod._smem_layout(rows)
 
 
 @pytest.mark.parametrize("bm,cluster", [(16, 8), (16, 16), (8, 3)])
@@ -271,7 +363,9 @@ def test_cluster_reduction_goes_through_distributed_shared_memory(bm, cluster):
     wait = [i for i, t in enumerate(ins) if t.startswith("UCGABAR_WAIT")]
     assert len(arrive) == len(wait) == 2 and arrive[0] < wait[0] < arrive[1] < wait[1]
     red_e = 64 * bm >> (cluster.bit_length() - 1)
-    assert sum(re.search(r"\bLD\.E", t) is not None for t in ins[wait[0]:arrive[1]]) == cluster * max(red_e // 128, 1)
+    assert sum(
+        re.search(r"\bLD\.E", t) is not None for t in ins[wait[0] : arrive[1]]
+    ) == cluster * max(red_e // 128, 1)
     assert not re.search(r"\b(ATOMG|ATOM|RED|STL|LDL)\b", sass)
     assert not re.search(r"\bLD\.E", plain)
 
@@ -337,7 +431,9 @@ def test_a_refused_cluster_launch_falls_back_to_global_memory(monkeypatch):
     monkeypatch.setattr(torch.cuda, "get_device_capability", lambda device=None: (9, 0))
     monkeypatch.setattr(probe, "num_sms", lambda device: 132)
     dev = torch.device("cuda")
-    assert wgmma_rule(2, 576, 7168, probe.device_facts(dev)).cluster  # DeepSeek kv_a: 16 splits, one cluster
+    assert wgmma_rule(
+        2, 576, 7168, probe.device_facts(dev)
+    ).cluster  # DeepSeek kv_a: 16 splits, one cluster
     q, code = quantize_mxfp8(torch.randn(576, 7168))
     w = MXFP8Weight.from_canonical(q, code, "trtllm")
     x = torch.randn(2, 7168).bfloat16()
@@ -354,3 +450,69 @@ def test_a_refused_cluster_launch_falls_back_to_global_memory(monkeypatch):
     assert calls == [(16, True, False, False), (14, False, True, True)]
     assert probe.CLUSTERS_REFUSED == {0}
     assert not wgmma_rule(2, 576, 7168, probe.device_facts(dev)).cluster
+
+
+def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool) -> tuple[str, int]:
+    """SASS and shared-memory bytes of the dequantizing wgmma kernel compiled for sm_90a."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.experimental.gluon._runtime import GluonASTSource
+    from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
+    from triton.runtime.jit import mangle_type
+
+    from mxfp8_convert.runtime.hopper import dqmma
+
+    n, k = 4096, 4096
+    w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
+    x = torch.empty(512, k, dtype=torch.bfloat16)
+    wd = TensorDescriptor(w, [n, k], [k, 1], [block_n, 128],
+                          dqmma._smem_layout(block_n, 128, "float8e4nv"))
+    xd = TensorDescriptor(x, [512, k], [k, 1], [bm, 64], dqmma._smem_layout(bm, 64, "bfloat16"))
+    sig = {"w_desc": mangle_type(wd), "x_desc": mangle_type(xd), "s_ptr": "*i32", "b_ptr": "*bf16",
+           "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+           "stride_om": "i32", "stride_os": "i32", "scale_cp4": "i32", "split_k": "i32"}
+    const = {"LAYOUT": dqmma.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": partial,
+             "STAGES": stages, "num_warps": block_n // 16}
+    sig.update(dict.fromkeys(const, "constexpr"))
+    names = list(sig)
+    attrs = {(names.index(a),): [["tt.divisibility", 16]]
+             for a in ("s_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_om")}
+    src = GluonASTSource(fn=dqmma._dqmma_kernel, signature=sig, constexprs=const, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
+                            options={"num_warps": block_n // 16})
+    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
+    path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
+                        f"mxfp8_dqmma_{os.getpid()}_{block_n}_{bm}_{stages}_{layout}.cubin")
+    with open(path, "wb") as f:
+        f.write(kernel.asm["cubin"])
+    try:
+        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path],
+                              capture_output=True, text=True, check=True).stdout
+    finally:
+        os.unlink(path)
+    return sass, kernel.metadata.shared
+
+
+@pytest.mark.parametrize("block_n,bm,stages,layout,partial", [
+    (64, 32, 3, "trtllm", True), (64, 64, 3, "cutlass", False), (64, 256, 3, "trtllm", False),
+    (128, 128, 4, "cutlass", True), (128, 256, 2, "trtllm", True)])
+def test_dqmma_kernel_keeps_its_bf16_wgmmas_in_flight(block_n, bm, stages, layout, partial):
+    """The dequantizing wgmma kernel (issue 26) for sm_90a: bf16 wgmma with the weight as the
+    register operand (``HGMMA ... R``: no shared-memory copy of the dequantized tile), two k16
+    instructions per 32-block, four blocks a K-tile (the first K-tile peeled off the loop: 8 in
+    all); the hardware's e4m3 -> f16 pair conversion; each wgmma left in flight while the next
+    block is dequantized (``DEPBAR.LE gsb0, 0x1``; only the final wait drains: ptxas did not
+    serialize them, which it does when a non-wgmma instruction may define the accumulator while
+    one is in flight); weight and activation tiles by TMA; no spills; the ring within the 227 KB
+    of shared memory a block may have."""
+    sass, shared = _dqmma_sass(block_n, bm, stages, layout, partial)
+    mma = re.findall(rf"HGMMA\.64x{bm}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+    assert len(mma) == 16, len(mma)
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
+    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= 8
+    assert "F2FP.F16.E4M3.UNPACK_B" in sass
+    assert "UTMALDG" in sass
+    ins = [(int(a, 16), t) for a, t in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    hgmma = [a for a, t in ins if "HGMMA" in t]
+    assert not [t for a, t in ins if hgmma[0] <= a <= hgmma[-1] and re.search(r"\b(STL|LDL)\b", t)]
+    assert shared <= 227 * 1024

@@ -1,7 +1,9 @@
 """The Hopper selection rules on CPU: every config they choose equals the one the rules of commit
 a5719ef chose (``data/hopper_configs.json``, written from that commit's code by
 ``data/snapshot_configs.py``), for the 19 model shapes and ten edge shapes at M = 1..16, 256
-and 2048 on nine simulated devices; and the device probing behind the facts."""
+and 2048 on nine simulated devices, except where the serving-batch rule (issue 26) takes over
+(M = 256 on Hopper with Gluon), whose choices are checked against hand-derived configs; and the
+device probing behind the facts."""
 
 from __future__ import annotations
 
@@ -11,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from mxfp8_convert.runtime.hopper.config import Kernel
-from mxfp8_convert.runtime.hopper.rules import TUNED, DeviceFacts, choose_config
+from mxfp8_convert.runtime.hopper.rules import TUNED, DeviceFacts, choose_config, serving_rule
 from mxfp8_convert.runtime.hopper.shapes import MODEL_SHAPES
 
 SNAPSHOT = json.loads((Path(__file__).parent / "data" / "hopper_configs.json").read_text())
@@ -56,6 +58,9 @@ def test_configs_are_those_of_a5719ef(device):
     wrong = []
     for row in SNAPSHOT["devices"][device]:
         (shape, m, n, k), want = _expected(row)
+        if serving_rule(m, n, k, facts) is not None:  # issue 26's rule: tested below
+            assert m == 256 and facts.hopper and facts.gluon, (device, shape, m)
+            continue
         got = choose_config(m, n, k, facts).to_dict()
         if got != want:
             diff = {f: (got[f], want[f]) for f in want if got[f] != want[f]}
@@ -66,7 +71,7 @@ def test_configs_are_those_of_a5719ef(device):
 def test_every_kernel_kind_is_chosen_somewhere():
     """The snapshot exercises each family (else the comparison above proves little for it)."""
     kinds = {_expected(r)[1]["kind"] for rows in SNAPSHOT["devices"].values() for r in rows}
-    assert kinds == {k.value for k in Kernel}
+    assert kinds == {k.value for k in Kernel} - {Kernel.DQMMA.value}  # newer than the snapshot
 
 
 def test_thresholds_table_is_what_the_rules_read():
@@ -75,7 +80,7 @@ def test_thresholds_table_is_what_the_rules_read():
 
     import mxfp8_convert.runtime.hopper.rules as rules
 
-    h200 = FACTS["h200"]
+    h200 = FACTS["h200-no-gluon"]  # with Gluon the serving rule comes first (tests below)
     assert choose_config(TUNED.cublas_min_m, 4096, 4096, h200).kind is Kernel.CUBLAS
     try:
         rules.TUNED = dataclasses.replace(TUNED, cublas_min_m=TUNED.cublas_min_m + 1)
@@ -150,3 +155,65 @@ def test_cpu_facts():
     from mxfp8_convert.runtime.hopper import probe
 
     assert probe.device_facts(torch.device("cpu")) == FACTS["cpu"]
+
+
+# issue 26: serving batches (M = 17 .. 512) on Hopper with Gluon. Each expectation below is derived
+# by hand from the rule's description (TUNED's comments) for an H200 (132 SMs):
+#   dqmma: 64-row programs of 32 tokens (M <= 32), 64 (M <= 128) or 256; split-K 1 where the
+#   tiles fill 132 SMs (above M = 128: 66), else min(ceil(waves * 132 / tiles), K-tiles // 4)
+#   (waves 2 up to M = 128, 1 above), then the fewest splits giving the same K-tiles per split;
+#   wgmma at M = 17..32 (64-row tiles < 132 and K < 12288): 128-row programs,
+#   split min(ceil(132 / tiles), K-tiles, 16), no empty split, a second kernel sums them, PDL.
+SERVING = [
+    # (M, N, K, kind, block_n, block_m, split_k)
+    (32, 4096, 4096, "wgmma", 128, 16, 5),  # 32 tiles: ceil(132/32) = 5; 32 K-tiles: 7,7,7,7,4
+    (17, 1024, 4096, "wgmma", 128, 16, 16),  # 8 tiles: ceil(132/8) = 17 -> 16 (at most 16)
+    (32, 576, 7168, "wgmma", 128, 16, 14),  # 5 tiles: 27 -> 16 -> 56 K-tiles by 4: 14 splits
+    (32, 14336, 4096, "dqmma", 64, 32, 1),  # 224 64-row tiles fill the SMs: dqmma, unsplit
+    (32, 4096, 14336, "dqmma", 64, 32, 5),  # K >= 12288: 64 tiles, ceil(264/64) = 5 of 112
+    (32, 32768, 512, "dqmma", 64, 32, 1),  # 512 tiles
+    (64, 4096, 4096, "dqmma", 64, 64, 5),  # 64 tiles: ceil(264/64) = 5 (32 K-tiles // 4 = 8)
+    (64, 1024, 2560, "dqmma", 64, 64, 5),  # 16 tiles: 17 -> 20 K-tiles // 4 = 5: 4,4,4,4,4
+    (100, 1024, 4096, "dqmma", 64, 64, 8),  # 16 x 2 tiles: ceil(264/32) = 9 -> 32 // 4 = 8
+    (128, 24576, 1536, "dqmma", 64, 64, 1),  # 384 x 2 tiles
+    (256, 4096, 4096, "dqmma", 64, 256, 3),  # 64 tiles: ceil(132/64) = 3
+    (256, 2560, 4096, "dqmma", 64, 256, 4),  # 40 tiles: ceil(132/40) = 4
+    (512, 7168, 16384, "dqmma", 64, 256, 1),  # 112 x 2 = 224 tiles
+    (512, 4096, 2560, "dqmma", 64, 256, 1),  # 64 x 2 = 128 tiles >= 66
+    (512, 1024, 4096, "cublas", 64, 0, 1),  # N < 4096 above M = 256
+    (300, 4096, 4096, "dqmma", 64, 256, 1),  # 64 x 2 = 128 tiles >= 66
+    (200, 4096, 4096, "dqmma", 64, 256, 3),  # 64 tiles < 66: ceil(132/64) = 3
+    (512, 2560, 4096, "cublas", 64, 0, 1),  # N < 4096 above M = 256
+    (600, 4096, 4096, "cublas", 64, 0, 1),  # above M = 512
+]
+
+
+@pytest.mark.parametrize("m,n,k,kind,block_n,block_m,split", SERVING)
+def test_serving_rule_on_an_h200(m, n, k, kind, block_n, block_m, split):
+    cfg = choose_config(m, n, k, FACTS["h200"])
+    assert (cfg.kind.value, cfg.block_n, cfg.block_m, cfg.split_k) == (kind, block_n, block_m,
+                                                                       split)
+    if kind == "wgmma":  # activations quantized inside, a second kernel sums, under PDL
+        assert cfg.fuse_quant and not cfg.serial_reduce and cfg.pdl and cfg.phys_partials
+        assert cfg.num_warps == 8 and not cfg.cluster
+    if kind == "dqmma":
+        assert cfg.num_warps == 4 and cfg.num_stages == 3 and cfg.block_k == 128
+
+
+@pytest.mark.parametrize("device", ["h200-no-gluon", "sm89-128", "sm80-108", "cpu"])
+def test_serving_rule_needs_hopper_and_gluon(device):
+    """Elsewhere M = 17..512 keeps its kernels: tile up to M = 255, cuBLAS from 256."""
+    facts = FACTS[device]
+    for m in (17, 32, 128, 256, 512):
+        assert serving_rule(m, 4096, 4096, facts) is None
+        want = Kernel.CUBLAS if m >= TUNED.cublas_min_m else Kernel.TILE
+        assert choose_config(m, 4096, 4096, facts).kind is want
+
+
+def test_serving_rule_bounds():
+    h200 = FACTS["h200"]
+    assert serving_rule(16, 4096, 4096, h200) is None  # the decode rules' (wgmma_rule)
+    assert choose_config(16, 4096, 4096, h200).kind is Kernel.WGMMA
+    assert serving_rule(64, 4096, 4160, h200) is None  # K % 128 != 0: the tile kernel
+    assert choose_config(64, 4096, 4160, h200).kind is Kernel.TILE
+    assert serving_rule(TUNED.dqmma_max_m + 1, 8192, 4096, h200) is None

@@ -22,7 +22,8 @@ from mxfp8_convert.runtime.reference import dequantize_mxfp8, fake_quantize_mxfp
 pytestmark = pytest.mark.gpu
 LAYOUTS = ("trtllm", "cutlass")
 # MXFP8_GPU_TEST_MAX_M=16 keeps the decode sizes only (a short device run)
-MS = tuple(m for m in (1, 2, 4, 16, 100, 2048, 8192) if m <= int(os.environ.get("MXFP8_GPU_TEST_MAX_M", "1000000")))
+MS = tuple(m for m in (1, 2, 4, 16, 32, 100, 300, 2048, 8192)
+           if m <= int(os.environ.get("MXFP8_GPU_TEST_MAX_M", "1000000")))
 
 
 def _triton():
@@ -46,10 +47,16 @@ def _facts():
     return device_facts(torch.device("cuda"))
 
 
-def random_weight(n: int, k: int, layout: str, seed: int) -> tuple[MXFP8Weight, torch.Tensor, torch.Tensor]:
+def random_weight(
+    n: int, k: int, layout: str, seed: int
+) -> tuple[MXFP8Weight, torch.Tensor, torch.Tensor]:
     """A random laid-out weight on the GPU and the canonical (q, code) it was laid out from."""
     g = torch.Generator(device="cuda").manual_seed(seed)
-    q = (torch.randn(n, k, device="cuda", generator=g) * 96).clamp(-448, 448).to(torch.float8_e4m3fn)
+    q = (
+        (torch.randn(n, k, device="cuda", generator=g) * 96)
+        .clamp(-448, 448)
+        .to(torch.float8_e4m3fn)
+    )
     code = torch.randint(116, 126, (n, k // 32), device="cuda", generator=g).to(torch.uint8)
     return MXFP8Weight.from_canonical(q, code, layout), q, code
 
@@ -63,7 +70,9 @@ def _check_twice(tri, x, w, bias, ref, cfg) -> torch.Tensor:
     and reused workspaces must re-arm), the same bits both times; returns the output."""
     outs = []
     for _ in range(2):
-        out = torch.full((x.shape[0], ref.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16)
+        out = torch.full(
+            (x.shape[0], ref.shape[1]), float("nan"), device="cuda", dtype=torch.bfloat16
+        )
         tri.triton_linear(x, w, bias, out=out, config=cfg)
         assert not out.isnan().any(), cfg
         assert rel_err(out, ref) <= 1e-2, cfg
@@ -140,13 +149,28 @@ def test_decode_configs_agree(layout, m):
     dev = torch.device("cuda")
     facts = tri.device_facts(dev)
     variants = [  # (block_n, block_k, warps, fused quantization, waves, serial): each feature once
-        (64, 256, 4, False, 2, True), (64, 256, 4, True, 3, True), (128, 256, 4, False, 3, True),
-        (64, 256, 4, False, 0.01, True), (64, 256, 4, False, 3, False), (128, 128, 8, True, 4, False),
-        (32, 128, 4, True, 4, True), (64, 128, 4, False, 4, True),
+        (64, 256, 4, False, 2, True),
+        (64, 256, 4, True, 3, True),
+        (128, 256, 4, False, 3, True),
+        (64, 256, 4, False, 0.01, True),
+        (64, 256, 4, False, 3, False),
+        (128, 128, 8, True, 4, False),
+        (32, 128, 4, True, 4, True),
+        (64, 128, 4, False, 4, True),
     ]
     for bn, bk, warps, fuse, waves, serial in variants:
-        cfg = tri.decode_config(m, n, k, facts, block_n=bn, block_k=bk, num_warps=warps, fuse_quant=fuse,
-                                waves=waves, serial_reduce=serial)
+        cfg = tri.decode_config(
+            m,
+            n,
+            k,
+            facts,
+            block_n=bn,
+            block_k=bk,
+            num_warps=warps,
+            fuse_quant=fuse,
+            waves=waves,
+            serial_reduce=serial,
+        )
         _check_twice(tri, x, w, bias, ref, cfg)
 
 
@@ -160,31 +184,51 @@ def test_gemv_configs_agree(layout, m):
     n, k = 576, 7168
     w, q, code = random_weight(n, k, layout, seed=11 + m)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
+    x = (
+        torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        * torch.logspace(-3, 3, k, device="cuda").bfloat16()
+    )
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
     dev = torch.device("cuda")
     facts = tri.device_facts(dev)
     variants = [  # (block_n, block_k, warps, fused quantization, waves, serial, words)
-        (32, 256, 4, True, 4, True, True), (32, 256, 4, False, 4, True, True), (64, 256, 4, True, 8, True, True),
-        (32, 512, 4, True, 0.01, True, True), (32, 256, 4, True, 4, False, True), (32, 256, 4, True, 4, True, False),
+        (32, 256, 4, True, 4, True, True),
+        (32, 256, 4, False, 4, True, True),
+        (64, 256, 4, True, 8, True, True),
+        (32, 512, 4, True, 0.01, True, True),
+        (32, 256, 4, True, 4, False, True),
+        (32, 256, 4, True, 4, True, False),
     ]
     for bn, bk, warps, fuse, waves, serial, words in variants:
-        cfg = tri.gemv_config(m, n, k, facts, block_n=bn, block_k=bk, num_warps=warps, fuse_quant=fuse,
-                              waves=waves, serial_reduce=serial, words=words)
+        cfg = tri.gemv_config(
+            m,
+            n,
+            k,
+            facts,
+            block_n=bn,
+            block_k=bk,
+            num_warps=warps,
+            fuse_quant=fuse,
+            waves=waves,
+            serial_reduce=serial,
+            words=words,
+        )
         _check_twice(tri, x, w, bias, ref, cfg)
 
 
 @pytest.mark.parametrize("layout,n", [("trtllm", 576), ("trtllm", 544), ("cutlass", 544)])
-@pytest.mark.parametrize("m", [1, 3, 5, 9, 16])
+@pytest.mark.parametrize("m", [1, 3, 5, 9, 16, 24, 32])
 def test_wgmma_configs_agree(layout, n, m):
     """The Gluon wgmma decode kernel: activations quantized inside it or by a separate kernel,
     scale words loaded one to three K-tiles ahead (with 0.01 waves a single program runs all of
     K), 8- and 16-column MMAs (M <= 8 / <= 16), TMA ring depths, split-K with the serial (last
-    program) and the two-kernel reduction (partials in logical or physical row order), N tail (544 = 8.5 x 64: TMA zero-fills rows past N),
+    program) and the two-kernel reduction (partials in logical or physical row order), N tail (544 =
+    8.5 x 64: TMA zero-fills rows past N),
     physical-to-logical row mapping on the store (trtllm), bias, programmatic dependent launch
     (both kernels, one after the other; the weight's first tile loaded before the wait, the second
     kernel letting the next launch early), 4, 8 or 16 partials summed per round trip; each config
-    twice (the arrival counters must re-arm). The activations span 2^-10..2^10 across K, so every 32-block has its
+    twice (the arrival counters must re-arm). The activations span 2^-10..2^10 across K, so every
+    32-block has its
     own code. The kernel's own quantization (of M rows rounded up to 1, 2, 4, 8 or 16; the other
     MMA columns read zeros) gives the bits of the quantization kernel's, whether the bf16
     activations are loaded as int32 words of two (M >= 2) or element by element: the three paths'
@@ -195,36 +239,77 @@ def test_wgmma_configs_agree(layout, n, m):
     k = 7168
     w, q, code = random_weight(n, k, layout, seed=23 + m)
     bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
+    x = (
+        torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        * torch.logspace(-3, 3, k, device="cuda").bfloat16()
+    )
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
     dev = torch.device("cuda")
     facts = tri.device_facts(dev)
-    configs = ((3, 2, True, 1, False), (2, 0.01, True, 2, False), (6, 4, True, 3, False), (3, 2, False, 2, False),
-               (2, 3, True, 2, True), (2, 3, False, 2, True))  # ..., programmatic dependent launch
+    configs = (
+        (3, 2, True, 1, False),
+        (2, 0.01, True, 2, False),
+        (6, 4, True, 3, False),
+        (3, 2, False, 2, False),
+        (2, 3, True, 2, True),
+        (2, 3, False, 2, True),
+    )  # ..., programmatic dependent launch
     for stages, waves, serial, ahead, pdl in configs:
-        cfgs = [tri.wgmma_config(m, n, k, facts, stages=stages, waves=waves, serial_reduce=serial, fuse_quant=fuse,
-                                 sw_ahead=ahead, pdl=pdl) for fuse in (True, False)]
+        cfgs = [
+            tri.wgmma_config(
+                m,
+                n,
+                k,
+                facts,
+                stages=stages,
+                waves=waves,
+                serial_reduce=serial,
+                fuse_quant=fuse,
+                sw_ahead=ahead,
+                pdl=pdl,
+            )
+            for fuse in (True, False)
+        ]
         cfgs.append(dataclasses.replace(cfgs[0], x_words=False))  # bf16 loaded element by element
         if pdl:  # the weight's first tile loaded before the wait; a second kernel's early release;
             # the activations' lines asked of L2 before the wait (words, or elements)
             cfgs.append(dataclasses.replace(cfgs[0], prefetch=True, red_release=not serial))
-            cfgs += [dataclasses.replace(cfgs[-1], x_prefetch=True, x_words=words) for words in (True, False)]
-        if not serial:  # partials in the trtllm weight's physical row order, mapped by the second kernel
+            cfgs += [
+                dataclasses.replace(cfgs[-1], x_prefetch=True, x_words=words)
+                for words in (True, False)
+            ]
+        if (
+            not serial
+        ):  # partials in the trtllm weight's physical row order, mapped by the second kernel
             cfgs += [dataclasses.replace(c, phys_partials=True) for c in (cfgs[0], cfgs[-1])]
         outs = [_check_twice(tri, x, w, bias, ref, cfg) for cfg in cfgs]
         assert all(torch.equal(outs[0], o) for o in outs[1:]), (stages, waves, serial, ahead, pdl)
     # the splits as one cluster, summed through DSMEM: the bits of the serial reduction where the
     # K-tiles split the same way (56 = 8 x 7), within 1e-2 of the reference for 16 uneven splits
-    serial8 = _check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, facts, waves=2, fuse_quant=True,
-                                                                  max_split=8))
-    cl8 = tri.wgmma_config(m, n, k, facts, waves=2, fuse_quant=True, max_split=8, cluster=True, pdl=True)
+    serial8 = _check_twice(
+        tri,
+        x,
+        w,
+        bias,
+        ref,
+        tri.wgmma_config(m, n, k, facts, waves=2, fuse_quant=True, max_split=8),
+    )
+    cl8 = tri.wgmma_config(
+        m, n, k, facts, waves=2, fuse_quant=True, max_split=8, cluster=True, pdl=True
+    )
     assert cl8.cluster and cl8.split_k == 8
     assert torch.equal(_check_twice(tri, x, w, bias, ref, cl8), serial8)
     if tri.pdl_enabled(dev):  # the weight and the activations' lines prefetched before the wait
-        assert torch.equal(_check_twice(tri, x, w, bias, ref, dataclasses.replace(cl8, prefetch=True,
-                                                                                x_prefetch=True)), serial8)
+        assert torch.equal(
+            _check_twice(
+                tri, x, w, bias, ref, dataclasses.replace(cl8, prefetch=True, x_prefetch=True)
+            ),
+            serial8,
+        )
     # activations quantized by the kernel before (read by TMA): the same bits
-    assert torch.equal(_check_twice(tri, x, w, bias, ref, dataclasses.replace(cl8, fuse_quant=False)), serial8)
+    assert torch.equal(
+        _check_twice(tri, x, w, bias, ref, dataclasses.replace(cl8, fuse_quant=False)), serial8
+    )
     cl16 = tri.wgmma_config(m, n, k, facts, waves=2, fuse_quant=True, max_split=16, cluster=True)
     assert cl16.cluster and cl16.split_k == 16
     _check_twice(tri, x, w, bias, ref, cl16)
@@ -234,20 +319,43 @@ def test_wgmma_configs_agree(layout, n, m):
             wide = dataclasses.replace(cfg, block_n=128, num_warps=8)
             assert torch.equal(_check_twice(tri, x, w, bias, ref, wide), serial8), wide
         for serial in (True, False):
-            cfg = tri.wgmma_config(m, n, k, facts, waves=1, fuse_quant=True, serial_reduce=serial, block_n=128)
+            cfg = tri.wgmma_config(
+                m, n, k, facts, waves=1, fuse_quant=True, serial_reduce=serial, block_n=128
+            )
             assert cfg.block_n == 128 and cfg.split_k > 1
-            assert torch.equal(_check_twice(tri, x, w, bias, ref, cfg),
-                               _check_twice(tri, x, w, bias, ref, dataclasses.replace(cfg, block_n=64, num_warps=4)))
-            if not serial and tri.pdl_enabled(dev):  # with the rule's options for a second kernel (M = 9..16)
-                opts = dataclasses.replace(cfg, pdl=True, prefetch=True, red_release=True, phys_partials=True)
+            assert torch.equal(
+                _check_twice(tri, x, w, bias, ref, cfg),
+                _check_twice(
+                    tri, x, w, bias, ref, dataclasses.replace(cfg, block_n=64, num_warps=4)
+                ),
+            )
+            if not serial and tri.pdl_enabled(
+                dev
+            ):  # with the rule's options for a second kernel (M = 9..16)
+                opts = dataclasses.replace(
+                    cfg, pdl=True, prefetch=True, red_release=True, phys_partials=True
+                )
                 assert torch.equal(_check_twice(tri, x, w, bias, ref, opts), _check_twice(
                     tri, x, w, bias, ref, dataclasses.replace(opts, block_n=64, num_warps=4)))
         unsplit = tri.wgmma_config(m, n, k, facts, waves=0.01, fuse_quant=True, block_n=128)
-        assert torch.equal(_check_twice(tri, x, w, bias, ref, unsplit),
-                           _check_twice(tri, x, w, bias, ref, dataclasses.replace(unsplit, block_n=64, num_warps=4)))
+        assert torch.equal(
+            _check_twice(tri, x, w, bias, ref, unsplit),
+            _check_twice(
+                tri, x, w, bias, ref, dataclasses.replace(unsplit, block_n=64, num_warps=4)
+            ),
+        )
     # partials loaded 4, 8 or 16 (the default here: 28 splits) per round trip: the same sums
-    chunked = [_check_twice(tri, x, w, bias, ref, tri.wgmma_config(m, n, k, facts, waves=2, fuse_quant=True,
-                                                                   red_chunk=chunk)) for chunk in (0, 4, 8)]
+    chunked = [
+        _check_twice(
+            tri,
+            x,
+            w,
+            bias,
+            ref,
+            tri.wgmma_config(m, n, k, facts, waves=2, fuse_quant=True, red_chunk=chunk),
+        )
+        for chunk in (0, 4, 8)
+    ]
     assert torch.equal(chunked[0], chunked[1]) and torch.equal(chunked[0], chunked[2])
 
 
@@ -274,8 +382,12 @@ def test_wgmma_cluster_launch_and_its_fallback():
     clustered = run()
     assert torch.equal(run(), clustered)
     index = gluon._wgmma_decode_kernel.arg_names.index("CLUSTER")
-    compiled = [kern for cache in gluon._wgmma_decode_kernel.device_caches.values() for kern in cache[0].values()
-                if kern.src.constants.get((index,)) == 8]
+    compiled = [
+        kern
+        for cache in gluon._wgmma_decode_kernel.device_caches.values()
+        for kern in cache[0].values()
+        if kern.src.constants.get((index,)) == 8
+    ]
     assert compiled and all(kern.packed_metadata[1] == 8 for kern in compiled)
     for kern in compiled:  # as if the launcher were not told
         kern.packed_metadata = (kern.packed_metadata[0], 1, *kern.packed_metadata[2:])
@@ -290,18 +402,21 @@ def test_wgmma_cluster_launch_and_its_fallback():
 
 @pytest.mark.parametrize("m", [1, 8, 16])
 def test_wgmma_pdl_chain_reads_each_previous_output(m):
-    """Programmatic dependent launch: in a chain of GEMMs, each feeding the next (directly, or through a torch kernel between them), queued
-    without a synchronization, every kernel reads the finished output of the one before: the
-    chain's outputs equal, bit for bit, those of the same chain synchronized after each kernel;
-    also with the next input's lines asked of L2 before the wait (``x_prefetch``), while the kernel
-    before is still writing them."""
+    """Programmatic dependent launch: in a chain of GEMMs, each feeding the next (directly, or
+    through a torch kernel between them), queued without a synchronization, every kernel reads
+    the finished output of the one before: the chain's outputs equal, bit for bit, those of the
+    same chain synchronized after each kernel; also with the next input's lines asked of L2
+    before the wait (``x_prefetch``), while the kernel before is still writing them."""
     tri = _triton()
     dev = torch.device("cuda")
     facts = tri.device_facts(dev)
     if _gluon() is None or not tri.pdl_enabled(dev):
         pytest.skip("needs Triton's Gluon and programmatic dependent launch")
     dims = (7168, 1536, 4096, 1024, 2048)  # K of each GEMM, then its N = the next one's K
-    ws = [random_weight(n, k, "trtllm", seed=41 + i)[0] for i, (k, n) in enumerate(zip(dims, dims[1:], strict=False))]
+    ws = [
+        random_weight(n, k, "trtllm", seed=41 + i)[0]
+        for i, (k, n) in enumerate(zip(dims, dims[1:], strict=False))
+    ]
     rule = [tri.choose_config(m, w.shape[0], w.shape[1], facts) for w in ws]
     assert all(c.kind is tri.Kernel.WGMMA and c.pdl and c.split_k > 1 for c in rule)
     xs = [torch.randn(m, dims[0], device="cuda", dtype=torch.bfloat16) for _ in range(6)]
@@ -341,13 +456,21 @@ def test_wgmma_activation_dtypes(dtype, m):
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
     dev = torch.device("cuda")
     facts = tri.device_facts(dev)
-    fused = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, facts, fuse_quant=True, sw_ahead=2))
-    before = _check_twice(tri, x, w, None, ref, tri.wgmma_config(m, n, k, facts, fuse_quant=False, sw_ahead=2))
+    fused = _check_twice(
+        tri, x, w, None, ref, tri.wgmma_config(m, n, k, facts, fuse_quant=True, sw_ahead=2)
+    )
+    before = _check_twice(
+        tri, x, w, None, ref, tri.wgmma_config(m, n, k, facts, fuse_quant=False, sw_ahead=2)
+    )
     assert torch.equal(fused, before)
     if m >= 3:
-        wide = tri.wgmma_config(m, n, k, facts, fuse_quant=True, sw_ahead=2, block_n=128, max_split=8)
+        wide = tri.wgmma_config(
+            m, n, k, facts, fuse_quant=True, sw_ahead=2, block_n=128, max_split=8
+        )
         narrow = dataclasses.replace(wide, block_n=64, num_warps=4)
-        assert torch.equal(_check_twice(tri, x, w, None, ref, wide), _check_twice(tri, x, w, None, ref, narrow))
+        assert torch.equal(
+            _check_twice(tri, x, w, None, ref, wide), _check_twice(tri, x, w, None, ref, narrow)
+        )
 
 
 @pytest.mark.parametrize("m", [3, 16])
@@ -360,7 +483,10 @@ def test_wgmma_unaligned_bf16_rows(m):
         pytest.skip("Triton's Gluon is not installed")
     n, k = 576, 2048
     w, q, code = random_weight(n, k, "trtllm", seed=37)
-    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16) * torch.logspace(-3, 3, k, device="cuda").bfloat16()
+    x = (
+        torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+        * torch.logspace(-3, 3, k, device="cuda").bfloat16()
+    )
     ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
     cfg = tri.wgmma_config(m, n, k, _facts(), fuse_quant=True, sw_ahead=2)
     aligned = _check_twice(tri, x, w, None, ref, cfg)
@@ -372,7 +498,65 @@ def test_wgmma_unaligned_bf16_rows(m):
         assert torch.equal(_check_twice(tri, xv, w, None, ref, cfg), aligned)
         # in programs of 128 rows (two warpgroups) too
         wide = dataclasses.replace(cfg, block_n=128, num_warps=8)
-        assert torch.equal(_check_twice(tri, xv, w, None, ref, wide), _check_twice(tri, x, w, None, ref, wide))
+        assert torch.equal(
+            _check_twice(tri, xv, w, None, ref, wide), _check_twice(tri, x, w, None, ref, wide)
+        )
+
+
+@pytest.mark.parametrize("layout,n", [("trtllm", 576), ("trtllm", 544), ("cutlass", 544)])
+@pytest.mark.parametrize("m", [17, 64, 100, 257])
+def test_dqmma_configs_agree(layout, n, m):
+    """The dequantizing wgmma kernel (issue 26): 64- and 128-row programs (one or two
+    warpgroups), 32..256 tokens a program (one or several M tiles; rows past M are TMA's zero
+    fill), TMA ring depths 2..4, K unsplit or split (fp32 partials in the weight's physical row
+    order, summed by the reduction kernel, which adds the bias), N tails (544 = 8.5 x 64), the
+    physical-to-logical row mapping (trtllm); each config twice, the same bits both times. The
+    activations span 2^-10..2^10 across K and the weight codes vary per 32-block, so a scale
+    applied to the wrong block, row or K-tile fails the 1e-2 bound. The split-K reduction sums
+    the same fp32 partials whichever M tile or ring depth produced them."""
+    tri = _triton()
+    if torch.cuda.get_device_capability()[0] != 9 or _gluon() is None:
+        pytest.skip("needs Hopper and Triton's Gluon")
+    k = 7168
+    w, q, code = random_weight(n, k, layout, seed=31 + m)
+    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+    x = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+         * torch.logspace(-3, 3, k, device="cuda").bfloat16())
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+    facts = _facts()
+    for b, r in ((None, ref), (bias, ref + bias.double())):
+        by_split = {}
+        for bn in (64, 128):
+            for bm, stages in ((32, 4), (64, 3), (128, 3), (256, 2)):
+                for split in (1, 7):
+                    cfg = tri.dqmma_config(m, n, k, facts, block_n=bn, block_m=bm, stages=stages)
+                    cfg = dataclasses.replace(cfg, split_k=split)
+                    out = _check_twice(tri, x, w, b, r, cfg)
+                    by_split.setdefault((bm, split), []).append(out)
+        for outs in by_split.values():  # 64- and 128-row programs: each row's bits alike
+            assert torch.equal(outs[0], outs[1])
+
+
+def test_dqmma_rejects_what_it_cannot_read():
+    tri = _triton()
+    if torch.cuda.get_device_capability()[0] != 9 or _gluon() is None:
+        pytest.skip("needs Hopper and Triton's Gluon")
+    from mxfp8_convert.errors import LayoutError
+    from mxfp8_convert.runtime.hopper import dqmma
+
+    w, q, code = random_weight(256, 512, "trtllm", seed=5)
+    xd = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    out = torch.empty(64, 256, device="cuda", dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="split_k=5"):  # 4 K-tiles: a split would be empty
+        dqmma.dqmma(xd, w, None, out, None, split_k=5, block_n=64, block_m=64, stages=2)
+    with pytest.raises(LayoutError, match="bf16"):
+        dqmma.dqmma(xd.float(), w, None, out, None, split_k=1, block_n=64, block_m=64, stages=2)
+    # a canonical weight (no 128x4 scale words) takes the rule without the Gluon kernels
+    wc, qc, cc = random_weight(256, 512, "canonical", seed=6)
+    x = torch.randn(64, 512, device="cuda", dtype=torch.bfloat16)
+    got = tri.triton_linear(x, wc)
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(qc, cc).double().t()
+    assert rel_err(got, ref) <= 1e-2
 
 
 @pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
@@ -435,25 +619,51 @@ def test_wgmma_is_the_rule_where_measured_faster():
     pdl = tri.pdl_enabled(torch.device("cuda"))
     facts = _facts()
     wgmma = tri.Kernel.WGMMA
-    assert (tri.choose_config(1, 1024, 4096, facts).kind is wgmma) == pdl  # 4.2 M elements: else the GEMV kernel
+    assert (
+        tri.choose_config(1, 1024, 4096, facts).kind is wgmma
+    ) == pdl  # 4.2 M elements: else the GEMV kernel
     for m in (1, 2, 8, 16):
         cfg = tri.choose_config(m, 18432, 7168, facts)
         assert cfg.kind is wgmma and cfg.fuse_quant and cfg.sw_ahead == 2 and cfg.pdl == pdl
     # M <= 8: the splits of a row tile as one cluster (7 of a 16.8 M weight, 16 of DeepSeek kv_a's)
-    assert tri.choose_config(4, 4096, 4096, facts).cluster and tri.choose_config(8, 4096, 4096, facts).split_k == 7
-    assert tri.choose_config(2, 576, 7168, facts).cluster and tri.choose_config(2, 576, 7168, facts).split_k == 16
+    assert (
+        tri.choose_config(4, 4096, 4096, facts).cluster
+        and tri.choose_config(8, 4096, 4096, facts).split_k == 7
+    )
+    assert (
+        tri.choose_config(2, 576, 7168, facts).cluster
+        and tri.choose_config(2, 576, 7168, facts).split_k == 16
+    )
     # M = 16: clusters on up to 32 row tiles, else a second kernel sums the partials
-    assert tri.choose_config(16, 1024, 4096, facts).cluster and tri.choose_config(16, 576, 7168, facts).cluster
+    assert (
+        tri.choose_config(16, 1024, 4096, facts).cluster
+        and tri.choose_config(16, 576, 7168, facts).cluster
+    )
     cfg = tri.choose_config(16, 4096, 4096, facts)
     assert cfg.kind is wgmma and not cfg.cluster and cfg.split_k > 1 and not cfg.serial_reduce
-    assert (cfg.block_n, cfg.split_k) == (128, 8)  # 1.94 programs of 128 rows per SM, 4 K-tiles each
+    assert (cfg.block_n, cfg.split_k) == (
+        128,
+        8,
+    )  # 1.94 programs of 128 rows per SM, 4 K-tiles each
     # with PDL the weight's first tile is loaded (and the activations' lines asked of L2) before the
     # wait, and the second kernel (summing physical-order partials) lets the next kernel launch
     # once the partials are complete
-    assert (cfg.prefetch, cfg.x_prefetch, cfg.red_release, cfg.phys_partials) == (pdl, pdl, pdl, True)
-    # ... but on N = 7168 (DeepSeek expert.down, o_proj, mlp.down): 128-row programs in clusters of 4
+    assert (cfg.prefetch, cfg.x_prefetch, cfg.red_release, cfg.phys_partials) == (
+        pdl,
+        pdl,
+        pdl,
+        True,
+    )
+    # ... but on N = 7168 (DeepSeek expert.down, o_proj, mlp.down): 128-row programs in clusters of
+    # 4
     cfg = tri.choose_config(16, 7168, 2048, facts)
-    assert cfg.kind is wgmma and cfg.cluster and cfg.block_n == 128 and cfg.num_warps == 8 and cfg.split_k == 4
+    assert (
+        cfg.kind is wgmma
+        and cfg.cluster
+        and cfg.block_n == 128
+        and cfg.num_warps == 8
+        and cfg.split_k == 4
+    )
     assert not tri.choose_config(16, 24576, 1536, facts).pdl  # K unsplit at M > 8
     assert tri.choose_config(17, 18432, 7168, facts).kind is not wgmma
     w, q, code = random_weight(4096, 4096, "canonical", seed=2)  # no 128x4 scale words: falls back

@@ -10,7 +10,8 @@ Modules, in the order a call meets them:
 - ``launch.py``: :func:`triton_linear`, :func:`quantize_activations`, :func:`dequantize_weight`
   and the launchers of each family;
 - the kernels, one module per family: ``tile.py``, ``decode.py``, ``gemv.py``, ``dequant.py``
-  (cuBLAS path), ``wgmma.py`` (Gluon), ``grouped_moe.py`` (fused MoE), with ``quantize.py``,
+  (cuBLAS path), ``wgmma.py`` (Gluon, FP8, M <= 32), ``dqmma.py`` (Gluon, bf16 on weight tiles
+  dequantized in registers, serving batches), ``grouped_moe.py`` (fused MoE), with ``quantize.py``,
   ``reduce.py`` and the JIT helpers they share (``jit.py``);
 - ``shapes.py``: the model shapes the rules were tuned on (benchmarks and tests).
 
@@ -18,8 +19,8 @@ Why it works on Hopper: SM90 tensor cores have no block-scaled FP8 MMA, but UE8M
 powers of two and e4m3 has a 4-bit significand, so ``q * 2^(code-127)`` is exact in bf16 and
 products of e4m3 values are exact in the FP8 MMAs' fp32 accumulators. The weight-stream kernels
 (GEMV, decode, wgmma) multiply e4m3 bytes and apply the two power-of-two scales to each
-32-block's partial product; the tile kernel and the cuBLAS path multiply exactly dequantized
-bf16. Results equal the MXFP8 GEMM up to fp32 summation order.
+32-block's partial product; the tile and dqmma kernels and the cuBLAS path multiply exactly
+dequantized bf16. Results equal the MXFP8 GEMM up to fp32 summation order.
 
 Importing this package imports neither torch nor Triton; its names below are loaded on first use
 (``rules`` and ``config`` need neither). Under Triton's interpreter (``TRITON_INTERPRET=1``, CPU
@@ -39,7 +40,9 @@ _EXPORTS = {
     "choose_config": "rules",
     "cublas_config": "rules",
     "decode_config": "rules",
+    "dqmma_config": "rules",
     "gemv_config": "rules",
+    "serving_rule": "rules",
     "tile_config": "rules",
     "wgmma_config": "rules",
     "wgmma_rule": "rules",

@@ -17,14 +17,16 @@ class Kernel(enum.Enum):
     DECODE = "decode"  # decode.py: weight stream, one FP8 MMA per 32-block; M <= DECODE_BLOCK_M
     GEMV = "gemv"  # gemv.py: weight stream on CUDA cores; M <= GEMV_MAX_M
     CUBLAS = "cublas"  # dequant.py + cuBLAS: the weight dequantized chunk by chunk; large M
-    WGMMA = "wgmma"  # wgmma.py (Gluon): FP8 wgmma per 32-block, four in flight; Hopper, M <= 16
+    WGMMA = "wgmma"  # wgmma.py (Gluon): FP8 wgmma per 32-block, four in flight; Hopper, M <= 32
+    DQMMA = "dqmma"  # dqmma.py (Gluon): weight dequantized in registers, bf16 wgmma; Hopper, M > 16
 
 
 #: The decode kernel pads M to this (the N of its FP8 MMA); it serves M <= DECODE_BLOCK_M.
 DECODE_BLOCK_M = 16
 #: The GEMV kernel keeps one accumulator per activation row; it serves M <= GEMV_MAX_M.
 GEMV_MAX_M = 4
-#: The wgmma kernel serves M <= WGMMA_MAX_M, K in tiles of WGMMA_BLOCK_K.
+#: The wgmma rule (decode) serves M <= WGMMA_MAX_M (the kernel: up to 32, ``serving_rule``), K in
+#: tiles of WGMMA_BLOCK_K (the dqmma kernel's K-tile too).
 WGMMA_MAX_M = 16
 WGMMA_BLOCK_K = 128
 #: Programs per thread-block cluster the wgmma kernel's launch accepts: up to 8 (portable), and

@@ -158,7 +158,9 @@ def _mxfp8_decode_kernel(
             if arrived == split_k - 1:
                 total = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
                 for s in range(0, split_k):
-                    total += tl.load(ws_ptr + s * stride_os + ws_off, mask=mask, other=0.0, cache_modifier=".cg")
+                    total += tl.load(
+                        ws_ptr + s * stride_os + ws_off, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
                 if HAS_BIAS:
                     total += tl.load(b_ptr + rows_n).to(tl.float32)[:, None]
                 tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=mask)

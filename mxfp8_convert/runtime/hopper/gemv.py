@@ -21,7 +21,9 @@ def _quantized_x_row(x_row, kt, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
-def _gemv_row(acc, wf, sw, x_row, kt, FUSE_QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_row(
+    acc, wf, sw, x_row, kt, FUSE_QUANT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """``acc [BN, BK/32] += sum_32(wf * xd) * sw`` for one activation row of K-tile ``kt``.
 
     ``xd`` is the row's MXFP8 value ``q * 2^(code-127)`` in fp32 (exact): quantized here
@@ -51,11 +53,15 @@ def _e4m3_pair_f32(t):
 
 
 @triton.jit
-def _gemv_words_row(acc, w0, w1, w2, w3, sw, x_row, kt, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_words_row(
+    acc, w0, w1, w2, w3, sw, x_row, kt, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """:func:`_gemv_row` (activations quantized here) on weights given as fp32 [BN, BK/4] per byte
     position ``j`` of each int32 word (K index ``4*i + j``), scaled by 2^-8 (undone before the
     scale)."""
-    even, odd = tl.split(tl.reshape(_quantized_x_row(x_row, kt, BLOCK_K), (BLOCK_K // 4, 2, 2)))  # K index 4i+2a / 4i+2a+1
+    even, odd = tl.split(
+        tl.reshape(_quantized_x_row(x_row, kt, BLOCK_K), (BLOCK_K // 4, 2, 2))
+    )  # K index 4i+2a / 4i+2a+1
     x0, x2 = tl.split(even)
     x1, x3 = tl.split(odd)
     prod = w0 * x0[None, :] + w1 * x1[None, :] + w2 * x2[None, :] + w3 * x3[None, :]
@@ -64,12 +70,16 @@ def _gemv_words_row(acc, w0, w1, w2, w3, sw, x_row, kt, BLOCK_N: tl.constexpr, B
 
 
 @triton.jit
-def _gemv_perm_row(acc, w0, w1, w2, w3, sw, x_row, kq, kt, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+def _gemv_perm_row(
+    acc, w0, w1, w2, w3, sw, x_row, kq, kt, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr
+):
     """:func:`_gemv_words_row` with the activation row already quantized and permuted
     (:func:`quantize_activations` ``permuted=True``): each ``x_j`` is loaded as a [BN, BK/4] tile
     of the same shape and contiguity as the weight words (zero row stride), so it arrives in
     the weights' register layout: no shared-memory layout conversion per K-tile."""
-    offs = (kt * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4))[None, :] + tl.zeros((BLOCK_N, 1), dtype=tl.int32)
+    offs = (kt * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4))[None, :] + tl.zeros(
+        (BLOCK_N, 1), dtype=tl.int32
+    )
     prod = w0 * tl.load(x_row + offs)
     prod += w1 * tl.load(x_row + kq + offs)
     prod += w2 * tl.load(x_row + 2 * kq + offs)
@@ -85,7 +95,9 @@ def _gemv_epilogue(acc, m, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_
     res = tl.sum(acc, axis=1)
     mask = (offs_n < N) & (offs_n * 0 + m < M)
     if PARTIAL:
-        tl.store(ws_ptr + tl.program_id(1).to(tl.int64) * stride_os + m * N + offs_n, res, mask=mask)
+        tl.store(
+            ws_ptr + tl.program_id(1).to(tl.int64) * stride_os + m * N + offs_n, res, mask=mask
+        )
     else:
         if HAS_BIAS:
             res += tl.load(b_ptr + rows_n).to(tl.float32)
@@ -151,10 +163,16 @@ def _mxfp8_gemv_kernel(
             if X_PERM:
                 acc0 = _gemv_perm_row(acc0, b0, b1, b2, b3, sw, x0, K // 4, kt, BLOCK_N, BLOCK_K)
                 if BLOCK_M > 1:
-                    acc1 = _gemv_perm_row(acc1, b0, b1, b2, b3, sw, x1, K // 4, kt, BLOCK_N, BLOCK_K)
+                    acc1 = _gemv_perm_row(
+                        acc1, b0, b1, b2, b3, sw, x1, K // 4, kt, BLOCK_N, BLOCK_K
+                    )
                 if BLOCK_M > 2:
-                    acc2 = _gemv_perm_row(acc2, b0, b1, b2, b3, sw, x2, K // 4, kt, BLOCK_N, BLOCK_K)
-                    acc3 = _gemv_perm_row(acc3, b0, b1, b2, b3, sw, x3, K // 4, kt, BLOCK_N, BLOCK_K)
+                    acc2 = _gemv_perm_row(
+                        acc2, b0, b1, b2, b3, sw, x2, K // 4, kt, BLOCK_N, BLOCK_K
+                    )
+                    acc3 = _gemv_perm_row(
+                        acc3, b0, b1, b2, b3, sw, x3, K // 4, kt, BLOCK_N, BLOCK_K
+                    )
             else:
                 acc0 = _gemv_words_row(acc0, b0, b1, b2, b3, sw, x0, kt, BLOCK_N, BLOCK_K)
                 if BLOCK_M > 1:
@@ -171,12 +189,68 @@ def _mxfp8_gemv_kernel(
                 acc2 = _gemv_row(acc2, wf, sw, x2, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
                 acc3 = _gemv_row(acc3, wf, sw, x3, kt, FUSE_QUANT, BLOCK_N, BLOCK_K)
 
-    _gemv_epilogue(acc0, 0, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_om, stride_os, HAS_BIAS, PARTIAL)
+    _gemv_epilogue(
+        acc0,
+        0,
+        M,
+        N,
+        offs_n,
+        rows_n,
+        b_ptr,
+        out_ptr,
+        ws_ptr,
+        stride_om,
+        stride_os,
+        HAS_BIAS,
+        PARTIAL,
+    )
     if BLOCK_M > 1:
-        _gemv_epilogue(acc1, 1, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_om, stride_os, HAS_BIAS, PARTIAL)
+        _gemv_epilogue(
+            acc1,
+            1,
+            M,
+            N,
+            offs_n,
+            rows_n,
+            b_ptr,
+            out_ptr,
+            ws_ptr,
+            stride_om,
+            stride_os,
+            HAS_BIAS,
+            PARTIAL,
+        )
     if BLOCK_M > 2:
-        _gemv_epilogue(acc2, 2, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_om, stride_os, HAS_BIAS, PARTIAL)
-        _gemv_epilogue(acc3, 3, M, N, offs_n, rows_n, b_ptr, out_ptr, ws_ptr, stride_om, stride_os, HAS_BIAS, PARTIAL)
+        _gemv_epilogue(
+            acc2,
+            2,
+            M,
+            N,
+            offs_n,
+            rows_n,
+            b_ptr,
+            out_ptr,
+            ws_ptr,
+            stride_om,
+            stride_os,
+            HAS_BIAS,
+            PARTIAL,
+        )
+        _gemv_epilogue(
+            acc3,
+            3,
+            M,
+            N,
+            offs_n,
+            rows_n,
+            b_ptr,
+            out_ptr,
+            ws_ptr,
+            stride_om,
+            stride_os,
+            HAS_BIAS,
+            PARTIAL,
+        )
     if SERIAL:  # the last split of these rows to arrive sums the partials: no second launch
         tl.debug_barrier()  # every thread's partial is stored before the release below
         arrived = tl.atomic_add(lock_ptr + pid_n, 1, sem="acq_rel", scope="gpu")
@@ -184,10 +258,18 @@ def _mxfp8_gemv_kernel(
             for m in range(0, M):
                 total = tl.zeros((BLOCK_N,), dtype=tl.float32)
                 for s in range(0, split_k):
-                    total += tl.load(ws_ptr + s * stride_os + m * N + offs_n, mask=offs_n < N, other=0.0,
-                                     cache_modifier=".cg")
+                    total += tl.load(
+                        ws_ptr + s * stride_os + m * N + offs_n,
+                        mask=offs_n < N,
+                        other=0.0,
+                        cache_modifier=".cg",
+                    )
                 if HAS_BIAS:
                     total += tl.load(b_ptr + rows_n).to(tl.float32)
-                tl.store(out_ptr + m * stride_om + offs_n, total.to(out_ptr.dtype.element_ty), mask=offs_n < N)
+                tl.store(
+                    out_ptr + m * stride_om + offs_n,
+                    total.to(out_ptr.dtype.element_ty),
+                    mask=offs_n < N,
+                )
             tl.atomic_xchg(lock_ptr + pid_n, 0)  # re-arm for the next call
 

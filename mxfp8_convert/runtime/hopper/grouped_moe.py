@@ -52,7 +52,8 @@ def _grouped_mxfp8_kernel(
     GATHER: tl.constexpr, SWIGLU: tl.constexpr, DOT_BF16: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
-    """Tile ``(pid_t, pid_n)``: rows ``[r0, r1)`` of expert ``e`` times output columns of tile ``pid_n``.
+    """Tile ``(pid_t, pid_n)``: rows ``[r0, r1)`` of expert ``e`` times the output columns of
+    tile ``pid_n``.
 
     ``sched [3, num_tiles]`` int32 holds ``e, r0, r1`` per tile. Activations ``a`` are exactly
     dequantized MXFP8 (bf16, or fp32 under the interpreter); row ``r`` reads ``a[src[r]]`` when
@@ -109,7 +110,8 @@ def _grouped_mxfp8_kernel(
 
 @dataclass(frozen=True, slots=True)
 class GroupedConfig:
-    """Tile of the grouped kernel: ``block_n`` weight rows x ``block_m`` token rows x ``block_k``."""
+    """Tile of the grouped kernel: ``block_n`` weight rows x ``block_m`` token rows x
+    ``block_k``."""
 
     block_n: int = 64
     block_m: int = 16
@@ -137,7 +139,8 @@ def choose_grouped_config(rows: int, active_experts: int) -> GroupedConfig:
 
 
 def tile_schedule(offsets: list[int], block_m: int, device: torch.device) -> torch.Tensor:
-    """int32 ``[3, tiles]``: expert, first row, end row of every ``block_m``-row tile of each group."""
+    """int32 ``[3, tiles]``: expert, first row, end row of every ``block_m``-row tile of each
+    group."""
     es, r0s, r1s = [], [], []
     for e in range(len(offsets) - 1):
         lo, hi = offsets[e], offsets[e + 1]
@@ -228,7 +231,9 @@ def grouped_fused_moe(
     tok = (order // k).to(torch.int32)
     x = hidden_states if hidden_states.stride(1) == 1 else hidden_states.contiguous()
     a1 = quantize_activations(x)["deq"]
-    act = grouped_gemm(a1, tok, experts.w13, experts.w13_scale, sched, rows, swiglu=True, config=cfg)
+    act = grouped_gemm(
+        a1, tok, experts.w13, experts.w13_scale, sched, rows, swiglu=True, config=cfg
+    )
     if dev.type == "cpu":
         act = act.float()  # the interpreter's dot runs on fp32 copies of the same exact values
     y = grouped_gemm(act, None, experts.w2, experts.w2_scale, sched, rows, swiglu=False, config=cfg)

@@ -22,7 +22,9 @@ from mxfp8_convert.runtime.weight import CANONICAL
 
 #: Kernel code of each weight layout (constexpr LAYOUT).
 LAYOUT_CODE = {"cutlass": 0, "trtllm": 1, CANONICAL: 2}
-_INV_448 = tl.constexpr(1.0 / 448.0)  # rounds to fl32(1/448) in fp32 math, as FlashInfer's host code
+_INV_448 = tl.constexpr(
+    1.0 / 448.0
+)  # rounds to fl32(1/448) in fp32 math, as FlashInfer's host code
 
 
 @triton.jit
@@ -64,7 +66,9 @@ def _e4m3_byte(r):
     """uint8 e4m3fn encoding of an fp32 value that is exactly representable in e4m3."""
     bits = r.to(tl.int32, bitcast=True)
     ex = (bits >> 23) & 0xFF
-    mag = tl.where(ex >= 121, ((ex - 120) << 3) | ((bits >> 20) & 0x7), (tl.abs(r) * 512.0).to(tl.int32))
+    mag = tl.where(
+        ex >= 121, ((ex - 120) << 3) | ((bits >> 20) & 0x7), (tl.abs(r) * 512.0).to(tl.int32)
+    )
     return (mag | ((bits >> 24) & 0x80)).to(tl.uint8)
 
 

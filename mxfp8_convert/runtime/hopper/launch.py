@@ -4,8 +4,9 @@
 A call without ``config`` takes :func:`default_config` (the rules of ``rules.py`` on the facts of
 ``probe.py``, memoized). Activations are quantized to MXFP8 with FlashInfer's recipe either inside
 the GEMM kernel or by :func:`quantize_activations` first; split-K partials are summed by
-``reduce.py`` or by the last program of each tile to arrive (an atomic arrival counter). From
-``cublas_min_m`` the weight is dequantized exactly by ``dequant.py`` into a transient bf16
+``reduce.py`` or by the last program of each tile to arrive (an atomic arrival counter). On the
+cuBLAS path (``rules.cublas_config``: large M, and M >= ``cublas_min_m`` where the serving rule
+does not apply) the weight is dequantized exactly by ``dequant.py`` into a transient bf16
 workspace of at most ``dequant_workspace`` elements (chunk by chunk; ``rules.TUNED``) and cuBLAS
 multiplies with fp32 accumulation (torch's ``allow_bf16_reduced_precision_reduction`` applies as
 to any bf16 matmul); the workspace goes back to torch's caching allocator after the call, the
@@ -222,7 +223,7 @@ def _launch(
     if config is None:
         pdl_env = os.environ.get("MXFP8_PDL")
         cfg = default_config(m, n, k, x.device, pdl_env)
-        if cfg.kind is Kernel.WGMMA and not probe.gluon().supported(weight, k):
+        if cfg.kind in (Kernel.WGMMA, Kernel.DQMMA) and not probe.gluon().supported(weight, k):
             # e.g. canonical or unaligned weight bytes: the rule without the Gluon kernel
             cfg = default_config(m, n, k, x.device, pdl_env, gluon=False)
     else:
@@ -234,31 +235,51 @@ def _launch(
     return _LAUNCHERS[cfg.kind](x, weight, bias, out, cfg)
 
 
+def _stream_launch(kernel, xs: tuple[torch.Tensor, ...], stride_xm: int, wdata: torch.Tensor,
+                   weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
+                   cfg: GemmConfig, tiles: int, **constexprs) -> torch.Tensor:
+    """Launch one of the Triton weight-stream kernels (tile, decode, GEMV), whose arguments are
+    alike: ``(*xs, wdata, scales, bias, out, partials, locks, M, N, K, stride_xm, wdata's row
+    stride, out's row stride, the partials' split stride, C, Cp/4, split_k)`` and the shared
+    constexprs, on a ``(tiles, split_k)`` grid with the split-K buffers of ``tiles`` output
+    tiles; a second kernel sums the partials unless the last program of a tile does
+    (``serial_reduce``)."""
+    m, (n, k) = out.shape[0], weight.shape
+    c, cp4 = _scale_geometry(weight)
+    has_bias = bias is not None
+    bias_t = bias if has_bias else out
+    partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
+    kernel[(tiles, cfg.split_k)](
+        *xs, wdata, _scale_operand(weight), bias_t, out, ws, lock,
+        m, n, k, stride_xm, wdata.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
+        LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=has_bias, BLOCK_N=cfg.block_n,
+        BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PARTIAL=partial, SERIAL=serial,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+    )
+    if partial and not serial:
+        _reduce_splits(ws, bias_t, out, cfg, has_bias)
+    return out
+
+
+def _check_stream(x: torch.Tensor, cfg: GemmConfig, family: str, max_m: int) -> None:
+    m, k = x.shape
+    if m > max_m:
+        raise LayoutError(f"the {family} kernel serves M <= {max_m}, got M={m}")
+    if cfg.block_k % 32 or k % cfg.block_k:
+        raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
+
+
 def _launch_tile(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
     cfg: GemmConfig,
 ) -> torch.Tensor:
     """The tile kernel (+ activation quantization unless fused, + reduce unless serial)."""
-    m, k = x.shape
-    n = weight.shape[0]
+    m = x.shape[0]
     a = x if cfg.fuse_quant else quantize_activations(x)["deq"]
-    c, cp4 = _scale_geometry(weight)
-    has_bias = bias is not None
-    bias_t = bias if has_bias else out
-    tiles = cdiv(n, cfg.block_n) * cdiv(m, cfg.block_m)
-    partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
-    _mxfp8_gemm_kernel[(tiles, cfg.split_k)](
-        a, weight.data, _scale_operand(weight), bias_t, out, ws, lock,
-        m, n, k, a.stride(0), weight.data.stride(0), n, m * n, c, cp4, cfg.split_k,
-        LAYOUT=LAYOUT_CODE[weight.layout], QUANT_X=cfg.fuse_quant,
-        DOT_BF16=x.device.type == "cuda", HAS_BIAS=has_bias,
-        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-        PARTIAL=partial, SERIAL=serial, GROUP_N=cfg.group_n,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if partial and not serial:
-        _reduce_splits(ws, bias_t, out, cfg, has_bias)
-    return out
+    tiles = cdiv(weight.shape[0], cfg.block_n) * cdiv(m, cfg.block_m)
+    return _stream_launch(_mxfp8_gemm_kernel, (a,), a.stride(0), weight.data, weight, bias, out,
+                          cfg, tiles, QUANT_X=cfg.fuse_quant, DOT_BF16=x.device.type == "cuda",
+                          GROUP_N=cfg.group_n)
 
 
 def _scale_tile(weight: MXFP8Weight, block_k: int) -> int:
@@ -324,30 +345,12 @@ def _launch_decode(
     cfg: GemmConfig,
 ) -> torch.Tensor:
     """The decode kernel (+ activation quantization unless fused, + reduce unless serial)."""
-    m, k = x.shape
-    n = weight.shape[0]
-    if m > cfg.block_m:
-        raise LayoutError(f"the decode kernel serves M <= block_m={cfg.block_m}, got M={m}")
-    if cfg.block_k % 32 or k % cfg.block_k:
-        raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
+    _check_stream(x, cfg, "decode", cfg.block_m)
     xq, xc = (x, x) if cfg.fuse_quant else _quantize_codes(x)
-    c, cp4 = _scale_geometry(weight)
-    has_bias = bias is not None
-    bias_t = bias if has_bias else out
-    tiles = cdiv(n, cfg.block_n)
-    partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
-    _mxfp8_decode_kernel[(tiles, cfg.split_k)](
-        x, xq, xc, weight.data, _scale_operand(weight), bias_t, out, ws, lock,
-        m, n, k, x.stride(0), weight.data.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
-        LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant,
-        FP8_DOT=x.device.type == "cuda",
-        HAS_BIAS=has_bias, BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k,
-        PARTIAL=partial, SERIAL=serial, SCALE_TILE=_scale_tile(weight, cfg.block_k),
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if partial and not serial:
-        _reduce_splits(ws, bias_t, out, cfg, has_bias)
-    return out
+    return _stream_launch(_mxfp8_decode_kernel, (x, xq, xc), x.stride(0), weight.data, weight,
+                          bias, out, cfg, cdiv(weight.shape[0], cfg.block_n),
+                          FUSE_QUANT=cfg.fuse_quant, FP8_DOT=x.device.type == "cuda",
+                          SCALE_TILE=_scale_tile(weight, cfg.block_k))
 
 
 def _launch_gemv(
@@ -356,12 +359,9 @@ def _launch_gemv(
 ) -> torch.Tensor:
     """The GEMV kernel (+ activation quantization unless fused, + reduce unless serial)."""
     m, k = x.shape
-    n = weight.shape[0]
-    if m > cfg.block_m or cfg.block_m > GEMV_MAX_M:
-        raise LayoutError(f"the GEMV kernel serves M <= block_m <= {GEMV_MAX_M}, got M={m}, "
-                          f"block_m={cfg.block_m}")
-    if cfg.block_k % 32 or k % cfg.block_k:
-        raise LayoutError(f"block_k={cfg.block_k} must be a multiple of 32 dividing K={k}")
+    _check_stream(x, cfg, "GEMV", min(cfg.block_m, GEMV_MAX_M))
+    if cfg.block_m > GEMV_MAX_M:
+        raise LayoutError(f"the GEMV kernel serves block_m <= {GEMV_MAX_M}, got {cfg.block_m}")
     wdata = weight.data
     # int32 words need a contiguous, 4-byte aligned weight; any other view takes the generic cast
     words = cfg.words and wdata.is_contiguous() and wdata.data_ptr() % 4 == 0
@@ -369,23 +369,9 @@ def _launch_gemv(
         wdata = wdata.view(torch.int32)
     x_perm = words and not cfg.fuse_quant
     a = x if cfg.fuse_quant else quantize_activations(x, permuted=x_perm)["deq"].view(m, k)
-    c, cp4 = _scale_geometry(weight)
-    has_bias = bias is not None
-    bias_t = bias if has_bias else out
-    tiles = cdiv(n, cfg.block_n)
-    partial, serial, ws, lock = _split_k_buffers(out, cfg, tiles)
-    _mxfp8_gemv_kernel[(tiles, cfg.split_k)](
-        a, wdata, _scale_operand(weight), bias_t, out, ws, lock,
-        m, n, k, a.stride(0), wdata.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
-        LAYOUT=LAYOUT_CODE[weight.layout], FUSE_QUANT=cfg.fuse_quant, HAS_BIAS=has_bias,
-        BLOCK_N=cfg.block_n, BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PARTIAL=partial,
-        SERIAL=serial,
-        WORDS=words, X_PERM=x_perm,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages,
-    )
-    if partial and not serial:
-        _reduce_splits(ws, bias_t, out, cfg, has_bias)
-    return out
+    return _stream_launch(_mxfp8_gemv_kernel, (a,), a.stride(0), wdata, weight, bias, out, cfg,
+                          cdiv(weight.shape[0], cfg.block_n), FUSE_QUANT=cfg.fuse_quant,
+                          WORDS=words, X_PERM=x_perm)
 
 
 def dequantize_weight(
@@ -455,6 +441,28 @@ def _launch_cublas(
     return out
 
 
+def _launch_dqmma(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
+    cfg: GemmConfig,
+) -> torch.Tensor:
+    """Activations quantized (exactly dequantized bf16), the Gluon dequantizing wgmma kernel,
+    and the split-K reduction (partials in the weight's physical row order)."""
+    from mxfp8_convert.runtime.hopper import dqmma
+
+    m, k = x.shape
+    xd = quantize_activations(x)["deq"]
+    partial = cfg.split_k > 1
+    ws = (torch.empty((cfg.split_k, m, weight.shape[0]), dtype=torch.float32, device=x.device)
+          if partial else None)
+    dqmma.dqmma(xd, weight, bias, out, ws, split_k=cfg.split_k, block_n=cfg.block_n,
+                block_m=cfg.block_m, stages=cfg.num_stages)
+    if partial:
+        has_bias = bias is not None
+        _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias,
+                       p32=weight.layout == "trtllm")
+    return out
+
+
 #: The launcher of each kernel family.
 _LAUNCHERS = {
     Kernel.TILE: _launch_tile,
@@ -462,4 +470,5 @@ _LAUNCHERS = {
     Kernel.GEMV: _launch_gemv,
     Kernel.CUBLAS: _launch_cublas,
     Kernel.WGMMA: _launch_wgmma,
+    Kernel.DQMMA: _launch_dqmma,
 }

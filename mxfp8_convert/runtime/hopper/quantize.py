@@ -1,5 +1,6 @@
 """Activation quantization kernel: ``x [M, K]`` -> MXFP8 (FlashInfer's recipe) as exactly
-dequantized bf16/fp32 and/or (e4m3 bytes, UE8M0 codes). Launched by ``launch.quantize_activations``."""
+dequantized bf16/fp32 and/or (e4m3 bytes, UE8M0 codes). Launched by
+``launch.quantize_activations``."""
 
 from __future__ import annotations
 
@@ -34,4 +35,8 @@ def _quantize_kernel(
         tl.store(q_ptr + rows * K + offs_k[None, :], q, mask=mask)
         offs_c = tl.program_id(1) * (BLOCK_K // 32) + tl.arange(0, BLOCK_K // 32)
         cmask = (offs_m < M)[:, None] & (offs_c < K // 32)[None, :]
-        tl.store(code_ptr + rows * (K // 32) + offs_c[None, :], code.to(code_ptr.dtype.element_ty), mask=cmask)
+        tl.store(
+            code_ptr + rows * (K // 32) + offs_c[None, :],
+            code.to(code_ptr.dtype.element_ty),
+            mask=cmask,
+        )

@@ -10,10 +10,24 @@ from mxfp8_convert.runtime.hopper.jit import _p32_logical, gdc_launch_dependents
 
 
 @triton.jit(do_not_specialize=["total", "stride_ps", "split_k"])
-def _splitk_reduce_kernel(p_ptr, b_ptr, out_ptr, N, total, stride_ps, split_k,
-                          HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr, PDL: tl.constexpr = False,
-                          CHUNK: tl.constexpr = 4, RELEASE: tl.constexpr = False, P32: tl.constexpr = False):
-    if PDL:  # a programmatic dependent of the GEMM: its partials are complete and visible after this
+def _splitk_reduce_kernel(
+    p_ptr,
+    b_ptr,
+    out_ptr,
+    N,
+    total,
+    stride_ps,
+    split_k,
+    HAS_BIAS: tl.constexpr,
+    BLOCK: tl.constexpr,
+    PDL: tl.constexpr = False,
+    CHUNK: tl.constexpr = 4,
+    RELEASE: tl.constexpr = False,
+    P32: tl.constexpr = False,
+):
+    if (
+        PDL
+    ):  # a programmatic dependent of the GEMM: its partials are complete and visible after this
         gdc_wait()
         if RELEASE:
             gdc_launch_dependents()
@@ -29,7 +43,9 @@ def _splitk_reduce_kernel(p_ptr, b_ptr, out_ptr, N, total, stride_ps, split_k,
     for s in range(1, split_k, CHUNK):
         sv = offs * 0 + s  # the split as a tensor: the interpreter takes no scalar in a mask
         for j in tl.static_range(CHUNK):
-            acc += tl.load(p_ptr + (s + j) * stride_ps + offs, mask=mask & (sv + j < split_k), other=0.0)
+            acc += tl.load(
+                p_ptr + (s + j) * stride_ps + offs, mask=mask & (sv + j < split_k), other=0.0
+            )
     if HAS_BIAS:
         acc += bias
     tl.store(out_ptr + dst, acc.to(out_ptr.dtype.element_ty), mask=mask)

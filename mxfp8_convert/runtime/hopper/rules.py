@@ -5,11 +5,13 @@ Every tuned number is a field of :data:`TUNED` (one table, each with the measure
 it; BENCHMARKS.md, "Design decisions", has the figures). :func:`choose_config` asks the rules
 in order (:data:`RULES`) and falls back to the tile kernel:
 
-1. M >= ``cublas_min_m``: :func:`cublas_config`.
-2. :func:`wgmma_rule`: Hopper with Gluon, M <= 16, K % 128 == 0.
-3. :func:`gemv_rule`: M <= ``gemv_max_m``.
-4. :func:`decode_rule`: M <= ``decode_max_m`` on large-N weights, FP8 tensor cores.
-5. :func:`tile_config`.
+1. :func:`serving_rule`: Hopper with Gluon, M = 17 .. ``dqmma_max_m``, K % 128 == 0 (the
+   dequantizing wgmma kernel, or the FP8 wgmma kernel at M <= ``serve_wgmma_max_m``).
+2. M >= ``cublas_min_m``: :func:`cublas_config`.
+3. :func:`wgmma_rule`: Hopper with Gluon, M <= 16, K % 128 == 0.
+4. :func:`gemv_rule`: M <= ``gemv_max_m``.
+5. :func:`decode_rule`: M <= ``decode_max_m`` on large-N weights, FP8 tensor cores.
+6. :func:`tile_config`.
 
 No torch, no Triton: the facts come from ``probe.device_facts`` on a real device, and tests pass
 them in for any device.
@@ -105,6 +107,28 @@ class Tuning:
     tile_stream_max_m: int = 64  # up to here 64-row weight tiles streamed with split-K
     tile_mid_max_m: int = 1024  # up to here 128x128 tiles (64x64 for N <= 2048)
     tile_narrow_n: int = 2048
+    # serving batches (Hopper, Gluon; sweeps of benchmarks/sweep_dqmma.py, M = 32 .. 2048):
+    # the dequantizing wgmma kernel (dqmma.py) up to this M; from M = 1024 cuBLAS won every shape
+    dqmma_max_m: int = 512
+    # above this M, dqmma only on weights of >= dqmma_wide_min_n rows (M = 512: cuBLAS won 8 of
+    # the 9 shapes with N < 4096, dqmma 9 of the 10 with N >= 4096)
+    dqmma_wide_m: int = 256
+    dqmma_wide_min_n: int = 4096
+    # split-K to ~2 waves of programs up to M = 128 (within 1 % of each row's best split on
+    # average), none where the tiles fill a wave; above, ~1 wave and none where the tiles fill
+    # half of one (M = 512: mean ratio 0.60 vs 0.56 splitting up to a wave); at least 4 K-tiles
+    # a split
+    dqmma_waves: float = 2.0
+    dqmma_wide_waves: float = 1.0
+    dqmma_wide_unsplit_share: float = 0.5
+    dqmma_min_split_tiles: int = 4
+    # M = 17 .. 32: the FP8 wgmma kernel (activations quantized inside, 128-row programs, a
+    # second kernel sums ~1 wave of splits), except on weights whose 64-row tiles fill the SMs
+    # or with K >= serve_dqmma_min_k, where dqmma was faster (Llama gate_up/down, DeepSeek q_b,
+    # o_proj, MLP: x1.11-1.37 vs x0.88-1.02)
+    serve_wgmma_max_m: int = 32
+    serve_wgmma_waves: float = 1.0
+    serve_dqmma_min_k: int = 12288
 
 
 #: The one table of tuned thresholds (the rules read nothing else).
@@ -386,12 +410,57 @@ def tile_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
     return cfg
 
 
+def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 64,
+                 block_m: int = 0, stages: int = 3, waves: float = 0.0) -> GemmConfig:
+    """The dequantizing wgmma kernel (``dqmma.py``): ``block_n`` weight rows and ``block_m``
+    tokens per program (default: 32 up to M = 32, 64 up to M = 128, else 256), ``stages`` TMA
+    buffers; split-K to ~``waves`` x SMs programs (default ``dqmma_waves`` up to M = 128, else
+    ``dqmma_wide_waves``), at least ``dqmma_min_split_tiles`` K-tiles a split, none where the
+    tiles fill the SMs (above M = 128: ``dqmma_wide_unsplit_share`` of them) (:data:`TUNED`)."""
+    t = TUNED
+    bm = block_m or (32 if m <= 32 else 64 if m <= 128 else 256)
+    waves = waves or (t.dqmma_waves if m <= 128 else t.dqmma_wide_waves)
+    tiles, k_tiles = cdiv(n, block_n) * cdiv(m, bm), k // WGMMA_BLOCK_K
+    split = 1
+    if tiles < facts.sms * (1.0 if m <= 128 else t.dqmma_wide_unsplit_share):
+        split = max(1, min(cdiv(int(waves * facts.sms), tiles),
+                           k_tiles // t.dqmma_min_split_tiles))
+    return GemmConfig(block_n, bm, WGMMA_BLOCK_K, Kernel.DQMMA,
+                      split_k=no_empty_splits(k_tiles, split), fuse_quant=False,
+                      num_warps=block_n // 16, num_stages=stages)
+
+
+def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
+    """Serving batches on Hopper with Gluon, M = 17 .. ``dqmma_max_m``, K % 128 == 0 (else None):
+    :func:`dqmma_config`; at M <= ``serve_wgmma_max_m`` the FP8 wgmma kernel instead (128-row
+    programs, split-K to ~``serve_wgmma_waves`` waves summed by a second kernel,
+    :func:`launch_options`) unless the weight's 64-row tiles fill the SMs or K >=
+    ``serve_dqmma_min_k``; above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` (None:
+    cuBLAS) (:data:`TUNED`)."""
+    t = TUNED
+    if (not facts.hopper or not facts.gluon or k % WGMMA_BLOCK_K
+            or not WGMMA_MAX_M < m <= t.dqmma_max_m):
+        return None
+    if m > t.dqmma_wide_m and n < t.dqmma_wide_min_n:
+        return None
+    if (m <= t.serve_wgmma_max_m and cdiv(n, 64) < facts.sms
+            and k < t.serve_dqmma_min_k):
+        cfg = wgmma_config(m, n, k, facts, waves=t.serve_wgmma_waves, fuse_quant=True,
+                           sw_ahead=2, max_split=t.wgmma_max_split, block_n=128,
+                           serial_reduce=False)
+        return launch_options(dataclasses.replace(cfg, serial_reduce=cfg.split_k == 1), m,
+                              facts)
+    return dqmma_config(m, n, k, facts)
+
+
 #: The rules :func:`choose_config` asks, in order, below ``cublas_min_m``.
 RULES = (wgmma_rule, gemv_rule, decode_rule)
 
 
 def choose_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
     """The config of a GEMM ``[M, K] x [N, K]^T`` on a device with ``facts`` (module docstring)."""
+    if (cfg := serving_rule(m, n, k, facts)) is not None:
+        return cfg
     if m >= TUNED.cublas_min_m:
         return cublas_config(m, n, k)
     for rule in RULES:

@@ -64,10 +64,14 @@ def _mxfp8_gemm_kernel(
 
     for kt in range(kt0, kt1):
         w = tl.load(w_ptrs + kt * BLOCK_K)
-        wd = _dequant_weight(w, _load_codes(s_base, kt, BLOCK_K, LAYOUT), BLOCK_N, BLOCK_K, DOT_BF16)
+        wd = _dequant_weight(
+            w, _load_codes(s_base, kt, BLOCK_K, LAYOUT), BLOCK_N, BLOCK_K, DOT_BF16
+        )
         xa = tl.load(x_ptrs + kt * BLOCK_K)
         if QUANT_X:
-            deq, _r, _c = _mx_fake_quant(tl.reshape(xa.to(tl.float32), (BLOCK_K // 32, 32, BLOCK_M)), 1)
+            deq, _r, _c = _mx_fake_quant(
+                tl.reshape(xa.to(tl.float32), (BLOCK_K // 32, 32, BLOCK_M)), 1
+            )
             xa = tl.reshape(deq, (BLOCK_K, BLOCK_M))
         if DOT_BF16:
             acc = tl.dot(wd, xa.to(tl.bfloat16), acc)
@@ -89,7 +93,9 @@ def _mxfp8_gemm_kernel(
             if arrived == split_k - 1:
                 total = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
                 for s in range(0, split_k):
-                    total += tl.load(ws_ptr + s * stride_os + out_off, mask=mask, other=0.0, cache_modifier=".cg")
+                    total += tl.load(
+                        ws_ptr + s * stride_os + out_off, mask=mask, other=0.0, cache_modifier=".cg"
+                    )
                 if HAS_BIAS:
                     total += tl.load(b_ptr + rows_n).to(tl.float32)[None, :]
                 tl.store(out_ptr + out_off, total.to(out_ptr.dtype.element_ty), mask=mask)

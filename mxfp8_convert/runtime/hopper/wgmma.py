@@ -1,4 +1,4 @@
-"""Decode GEMM (M <= 16) on Hopper in Gluon: FP8 wgmma per 32-block, several in flight.
+"""Decode GEMM (M <= 32) on Hopper in Gluon: FP8 wgmma per 32-block, several in flight.
 
 Why Gluon: the Triton decode kernel (``decode.py``) issues one FP8 MMA
 per 32-block of K and Triton 3.6 waits for each before the next (its pipeliner only overlaps
@@ -53,7 +53,8 @@ so a 64-row tile covers the same logical rows; cutlass: the identity). Scales ar
 128x4 offset of the physical row, as in every kernel here.
 
 Not interpretable: Gluon kernels have no CPU interpreter, so this path is validated by the
-``gpu`` tests on a Hopper GPU; the CI compiles it for sm_90a (``tests/runtime/test_gluon_compile.py``).
+``gpu`` tests on a Hopper GPU; the CI compiles it for sm_90a
+(``tests/runtime/test_gluon_compile.py``).
 """
 
 from __future__ import annotations
@@ -97,6 +98,7 @@ else:
 LAYOUT_CODE = {"cutlass": 0, "trtllm": 1}
 BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma M (``block_n=128``: two warpgroups)
 BLOCK_K = 128  # K per pipeline stage: four 32-blocks, one 128x4 scale word per row
+MAX_M = 32  # activation rows: the quantized tile is one row per thread of a warp
 
 
 @gluon.jit
@@ -105,65 +107,107 @@ def _gdc_wait_and_release():
     and its writes are visible (``griddepcontrol.wait``), then let the next kernel launch
     (``launch_dependents``: it must wait likewise before it reads anything). Both are no-ops for
     a kernel launched without the attribute."""
-    gl.inline_asm_elementwise("griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;", "=r", [],
-                              dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(
+        "griddepcontrol.wait; griddepcontrol.launch_dependents; mov.b32 $0, 0;",
+        "=r",
+        [],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit
-def _prefetch_x_l2(x_ptr, M, stride_xm, kt0, n_it, tile, tiles, XT: gl.constexpr, num_warps: gl.constexpr):
+def _prefetch_x_l2(
+    x_ptr, M, stride_xm, kt0, n_it, tile, tiles, XT: gl.constexpr, num_warps: gl.constexpr
+):
     """Ask L2 for the activation bytes of this program's K-tiles ``kt0 .. kt0 + n_it - 1`` (``XT``
     elements of ``x_ptr`` per K-tile row), the 128-byte lines of the ``M`` rows shared out among
     the ``tiles`` row tiles that read them (this one: ``tile``), one line a thread. A hint
     (``prefetch.global.L2``): it returns no value, so it may go out before the PDL wait; a line
     written later by the previous kernel is updated in L2 like any other, and the activations are
     read only after the wait. A split with more lines than its programs have threads gets some."""
-    LE: gl.constexpr = 128 * 8 // x_ptr.dtype.element_ty.primitive_bitwidth  # elements per 128-byte line
+    LE: gl.constexpr = (
+        128 * 8 // x_ptr.dtype.element_ty.primitive_bitwidth
+    )  # elements per 128-byte line
     span = n_it * XT
     lines = span // LE + 1  # a row's slice, unaligned: its first line may be partly another row's
-    t = tile + tiles * gl.arange(0, 32 * num_warps, layout=gl.BlockedLayout([1], [32], [num_warps], [0]))
-    ask = (t < M * lines).to(gl.int32)  # surplus threads ask for nothing (not the last line again: one L2 slice)
+    t = tile + tiles * gl.arange(
+        0, 32 * num_warps, layout=gl.BlockedLayout([1], [32], [num_warps], [0])
+    )
+    ask = (t < M * lines).to(
+        gl.int32
+    )  # surplus threads ask for nothing (not the last line again: one L2 slice)
     t = gl.minimum(t, M * lines - 1)
     off = (t // lines).to(gl.int64) * stride_xm + kt0 * XT + gl.minimum((t % lines) * LE, span - 1)
-    gl.inline_asm_elementwise("{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.b32 $0, 0;",
-                              "=r,l,r", [x_ptr + off, ask], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(
+        "{ .reg .pred p; setp.ne.b32 p, $2, 0; @p prefetch.global.L2 [$1]; } mov.b32 $0, 0;",
+        "=r,l,r",
+        [x_ptr + off, ask],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit
 def _cluster_rank():
     """This program's rank in its thread-block cluster (0 when launched without one)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %cluster_ctarank;", "=r", [], dtype=gl.int32, is_pure=True,
-                                     pack=1)
+    return gl.inline_asm_elementwise(
+        "mov.u32 $0, %cluster_ctarank;", "=r", [], dtype=gl.int32, is_pure=True, pack=1
+    )
 
 
 @gluon.jit
 def _cluster_size():
     """Programs in this program's thread-block cluster (1 when launched without one)."""
-    return gl.inline_asm_elementwise("mov.u32 $0, %cluster_nctarank;", "=r", [], dtype=gl.int32, is_pure=True,
-                                     pack=1)
+    return gl.inline_asm_elementwise(
+        "mov.u32 $0, %cluster_nctarank;", "=r", [], dtype=gl.int32, is_pure=True, pack=1
+    )
 
 
 @gluon.jit
 def _cluster_sync():
     """Barrier of every thread of the cluster: shared-memory writes before it (release) are seen by
     the cluster's reads after it (acquire)."""
-    gl.inline_asm_elementwise("barrier.cluster.arrive.release; barrier.cluster.wait.acquire; mov.b32 $0, 0;", "=r",
-                              [], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(
+        "barrier.cluster.arrive.release; barrier.cluster.wait.acquire; mov.b32 $0, 0;",
+        "=r",
+        [],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit
 def _exchange_store(off, v):
     """Store fp32 ``v`` at byte offset ``off`` of this program's shared memory (its start: the TMA
     ring, no longer in use when this runs)."""
-    gl.inline_asm_elementwise("{ .reg .b32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.f32 [a], $2; }"
-                              " mov.b32 $0, 0;", "=r,r,f", [off, v], dtype=gl.int32, is_pure=False, pack=1)
+    gl.inline_asm_elementwise(
+        "{ .reg .b32 a; mov.u32 a, global_smem; add.u32 a, a, $1; st.shared.f32 [a], $2; }"
+        " mov.b32 $0, 0;",
+        "=r,r,f",
+        [off, v],
+        dtype=gl.int32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit
 def _exchange_load(off, rank):
-    """fp32 at byte offset ``off`` of the shared memory of the cluster's program ``rank`` (DSMEM)."""
+    """fp32 at byte offset ``off`` of the shared memory of the cluster's program ``rank``
+    (DSMEM)."""
     return gl.inline_asm_elementwise(
-        "{ .reg .b32 a; mov.u32 a, global_smem; add.u32 a, a, $1; mapa.shared::cluster.u32 a, a, $2;"
-        " ld.shared::cluster.f32 $0, [a]; }", "=f,r,r", [off, rank], dtype=gl.float32, is_pure=False, pack=1)
+        "{ .reg .b32 a; mov.u32 a, global_smem; add.u32 a, a, $1;"
+        " mapa.shared::cluster.u32 a, a, $2; ld.shared::cluster.f32 $0, [a]; }",
+        "=f,r,r",
+        [off, rank],
+        dtype=gl.float32,
+        is_pure=False,
+        pack=1,
+    )
 
 
 @gluon.jit
@@ -194,9 +238,13 @@ def _quantize_tile(xt, xq_s, xs_s, x4_l: gl.constexpr):
     if xt.dtype == gl.int32:  # a bf16 is the high half of its fp32: one shift or mask per value
         lo = (xt << 16).to(gl.float32, bitcast=True)
         hi = (xt & -65536).to(gl.float32, bitcast=True)
-        code = _ue8m0_code(gl.maximum(gl.max(gl.abs(lo), axis=2), gl.max(gl.abs(hi), axis=2)))  # [QM, 4]
+        code = _ue8m0_code(
+            gl.maximum(gl.max(gl.abs(lo), axis=2), gl.max(gl.abs(hi), axis=2))
+        )  # [QM, 4]
         scale = gl.expand_dims(_pow2_f32(254 - code), 2)
-        q2 = gl.join(lo * scale, hi * scale).to(gl.float8e4nv)  # [QM, 4, 16, 2]: pairs of neighbours
+        q2 = gl.join(lo * scale, hi * scale).to(
+            gl.float8e4nv
+        )  # [QM, 4, 16, 2]: pairs of neighbours
         q = gl.convert_layout(gl.reshape(q2, [QM, 4, 32]), gl.SliceLayout(0, x4_l))
     else:
         xf = xt.to(gl.float32)
@@ -204,9 +252,13 @@ def _quantize_tile(xt, xq_s, xs_s, x4_l: gl.constexpr):
         q = (xf * gl.expand_dims(_pow2_f32(254 - code), 2)).to(gl.float8e4nv)
     # the MMA reads BM rows and the tile's 128-byte swizzle allows no store to fewer: rows QM..BM-1
     # are zeros, BM / QM - 1 copies of the tile in each thread's registers, written as zeros
-    copy = gl.arange(0, BM // QM, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x4_l))))
+    copy = gl.arange(
+        0, BM // QM, layout=gl.SliceLayout(1, gl.SliceLayout(2, gl.SliceLayout(3, x4_l)))
+    )
     first = gl.expand_dims(gl.expand_dims(gl.expand_dims(copy == 0, 1), 2), 3)
-    q4 = gl.where(first, gl.expand_dims(q.to(gl.int8, bitcast=True), 0), 0).to(gl.float8e4nv, bitcast=True)
+    q4 = gl.where(first, gl.expand_dims(q.to(gl.int8, bitcast=True), 0), 0).to(
+        gl.float8e4nv, bitcast=True
+    )
     xq_s.store(gl.reshape(q4, [BM, 128]))
     xs_s.slice(0, QM, dim=1).store(gl.permute(_pow2_f32(code), (1, 0)))
 
@@ -239,18 +291,48 @@ def _store_tile(acc, b_ptr, out_ptr, off, mask, lrows, N, HAS_BIAS: gl.constexpr
 
 @gluon.jit
 def _wgmma_decode_kernel(
-    w_desc, x_desc, x_ptr, s_ptr, xc_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr,
-    M, N, K, stride_xm, stride_om, stride_os, scale_cp4, split_k,
-    LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, SERIAL: gl.constexpr,
-    FUSE_QUANT: gl.constexpr, BM: gl.constexpr, QM: gl.constexpr, X_SMEM: gl.constexpr, STAGES: gl.constexpr,
-    SW_AHEAD: gl.constexpr, PDL: gl.constexpr, RED_CHUNK: gl.constexpr, X_WORDS: gl.constexpr,
-    CLUSTER: gl.constexpr, RED_E: gl.constexpr, PREFETCH: gl.constexpr, PHYS: gl.constexpr,
-    X_PREFETCH: gl.constexpr, num_warps: gl.constexpr,
+    w_desc,
+    x_desc,
+    x_ptr,
+    s_ptr,
+    xc_ptr,
+    b_ptr,
+    out_ptr,
+    ws_ptr,
+    lock_ptr,
+    M,
+    N,
+    K,
+    stride_xm,
+    stride_om,
+    stride_os,
+    scale_cp4,
+    split_k,
+    LAYOUT: gl.constexpr,
+    HAS_BIAS: gl.constexpr,
+    PARTIAL: gl.constexpr,
+    SERIAL: gl.constexpr,
+    FUSE_QUANT: gl.constexpr,
+    BM: gl.constexpr,
+    QM: gl.constexpr,
+    X_SMEM: gl.constexpr,
+    STAGES: gl.constexpr,
+    SW_AHEAD: gl.constexpr,
+    PDL: gl.constexpr,
+    RED_CHUNK: gl.constexpr,
+    X_WORDS: gl.constexpr,
+    CLUSTER: gl.constexpr,
+    RED_E: gl.constexpr,
+    PREFETCH: gl.constexpr,
+    PHYS: gl.constexpr,
+    X_PREFETCH: gl.constexpr,
+    num_warps: gl.constexpr,
 ):
     if PDL and not PREFETCH:  # before any access to memory
         _gdc_wait_and_release()
     BN: gl.constexpr = w_desc.block_type.shape[0]
-    # one warpgroup per 64 weight rows (BN = 64, or 128: two warpgroups sharing each activation tile)
+    # one warpgroup per 64 weight rows (BN = 64, or 128: two warpgroups sharing each activation
+    # tile)
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
                                                     instr_shape=[16, BM, 32])
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
@@ -259,7 +341,9 @@ def _wgmma_decode_kernel(
     pid_n = gl.program_id(0)
     split = gl.program_id(1)
     k_tiles = K // 128
-    if CLUSTER > 1:  # the splits of a row tile are one cluster: its size, not the argument, splits K, evenly
+    if (
+        CLUSTER > 1
+    ):  # the splits of a row tile are one cluster: its size, not the argument, splits K, evenly
         split_k = _cluster_size()
         split = _cluster_rank()
         pid_n = pid_n // split_k
@@ -279,10 +363,23 @@ def _wgmma_decode_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
     for s in gl.static_range(STAGES - 1):
-        _issue_tile(w_desc, x_desc, w_s, x_s, bars.index(s), s, p0, (kt0 + s) * 128, s < n_it, not FUSE_QUANT)
+        _issue_tile(
+            w_desc,
+            x_desc,
+            w_s,
+            x_s,
+            bars.index(s),
+            s,
+            p0,
+            (kt0 + s) * 128,
+            s < n_it,
+            not FUSE_QUANT,
+        )
 
     rows = p0 + gl.arange(0, BN, layout=row_l)  # physical rows (< the 128-row padded scale rows)
-    sw_ptrs = s_ptr + _scale_row_base(rows, 0, scale_cp4, LAYOUT)  # 128x4 word of (row, scale column 0)
+    sw_ptrs = s_ptr + _scale_row_base(
+        rows, 0, scale_cp4, LAYOUT
+    )  # 128x4 word of (row, scale column 0)
     cols = gl.arange(0, BM, layout=col_l)
 
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
@@ -292,9 +389,21 @@ def _wgmma_decode_kernel(
     sw_word = gl.load(sw_ptrs + kt0 * 128)
     sw_1 = gl.load(sw_ptrs + gl.minimum(kt0 + 1, last) * 128)
     sw_2 = gl.load(sw_ptrs + gl.minimum(kt0 + 2, last) * 128)
-    if PDL and PREFETCH:  # the weight's first tiles and scale words are on their way: now the inputs
+    if (
+        PDL and PREFETCH
+    ):  # the weight's first tiles and scale words are on their way: now the inputs
         if X_PREFETCH:  # and the activations' lines into L2 (a hint, no value read)
-            _prefetch_x_l2(x_ptr, M, stride_xm, kt0, n_it, pid_n, gl.cdiv(N, BN), 64 if X_WORDS else 128, num_warps)
+            _prefetch_x_l2(
+                x_ptr,
+                M,
+                stride_xm,
+                kt0,
+                n_it,
+                pid_n,
+                gl.cdiv(N, BN),
+                64 if X_WORDS else 128,
+                num_warps,
+            )
         _gdc_wait_and_release()
     # bf16 activations (or activation codes, both from L2) of the current tile; the next tile's
     # are loaded one iteration ahead
@@ -303,13 +412,18 @@ def _wgmma_decode_kernel(
         # block spans 32 / QM threads of QM elements each (x4_l adds the zero rows QM..BM-1)
         # with two warpgroups (128 weight rows) warp j + 4 takes the other half of block j's rows
         G: gl.constexpr = num_warps // 4
-        x4_l: gl.constexpr = gl.BlockedLayout([BM // QM, 1, 1, QM // G], [1, QM // G, 1, 32 * G // QM], [1, G, 4, 1],
-                                              [3, 2, 1, 0])
+        x4_l: gl.constexpr = gl.BlockedLayout(
+            [BM // QM, 1, 1, QM // G], [1, QM // G, 1, 32 * G // QM], [1, G, 4, 1], [3, 2, 1, 0]
+        )
         x_l: gl.constexpr = gl.SliceLayout(0, x4_l)
         # activation scales: [buffer, block, column] written, [buffer * 4 + block][column] read;
         # columns QM..BM-1 stay zero
-        xs_s = gl.allocate_shared_memory(gl.float32, [2, 4, BM], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0]))
-        xs_rows = _reinterpret(xs_s, gl.float32, [8, BM], gl.SwizzledSharedLayout(1, 1, 1, order=[0]))
+        xs_s = gl.allocate_shared_memory(
+            gl.float32, [2, 4, BM], gl.SwizzledSharedLayout(1, 1, 1, order=[1, 0])
+        )
+        xs_rows = _reinterpret(
+            xs_s, gl.float32, [8, BM], gl.SwizzledSharedLayout(1, 1, 1, order=[0])
+        )
         z_l: gl.constexpr = gl.BlockedLayout([1, 1], [4, 8], [num_warps, 1], [1, 0])
         for b in gl.static_range(2):
             xs_s.index(b).store(gl.zeros([4, BM], gl.float32, z_l))
@@ -317,18 +431,35 @@ def _wgmma_decode_kernel(
         # to the next iteration are the loaded words themselves (carried as separate bf16 values,
         # their unpacking was hoisted next to the load and waited on it: 28 % of the stall samples)
         XE: gl.constexpr = 16 if X_WORDS else 32  # loaded elements per 32-block
-        xl_l: gl.constexpr = gl.SliceLayout(0, gl.BlockedLayout([1, 1, 1, QM // (2 * G)], [1, QM // G, 1, 32 * G // QM],
-                                                                [1, G, 4, 1], [3, 2, 1, 0])) if X_WORDS else x_l
+        xl_l: gl.constexpr = (
+            gl.SliceLayout(
+                0,
+                gl.BlockedLayout(
+                    [1, 1, 1, QM // (2 * G)],
+                    [1, QM // G, 1, 32 * G // QM],
+                    [1, G, 4, 1],
+                    [3, 2, 1, 0],
+                ),
+            )
+            if X_WORDS
+            else x_l
+        )
         xr = gl.arange(0, QM, layout=gl.SliceLayout(1, gl.SliceLayout(2, xl_l)))
         xb4 = gl.arange(0, 4, layout=gl.SliceLayout(0, gl.SliceLayout(2, xl_l)))
         xe = gl.arange(0, XE, layout=gl.SliceLayout(0, gl.SliceLayout(1, xl_l)))
-        xrb = gl.expand_dims(gl.expand_dims(xr.to(gl.int64) * stride_xm, 1) + gl.expand_dims(xb4 * XE, 0), 2)
+        xrb = gl.expand_dims(
+            gl.expand_dims(xr.to(gl.int64) * stride_xm, 1) + gl.expand_dims(xb4 * XE, 0), 2
+        )
         x_ptrs = x_ptr + xrb + gl.expand_dims(gl.expand_dims(xe, 0), 1)
-        x_mask = (xrb + gl.expand_dims(gl.expand_dims(xe, 0), 1)) < M * stride_xm  # rows past M are zeros
+        x_mask = (
+            xrb + gl.expand_dims(gl.expand_dims(xe, 0), 1)
+        ) < M * stride_xm  # rows past M are zeros
         XT: gl.constexpr = 4 * XE  # elements (words) per K-tile row
         xt = gl.load(x_ptrs + kt0 * XT, mask=x_mask, other=0)
     else:
-        xc_ptrs = xc_ptr + gl.minimum(cols, M - 1).to(gl.int64) * (K // 32)  # rows past M repeat row M-1
+        xc_ptrs = xc_ptr + gl.minimum(cols, M - 1).to(gl.int64) * (
+            K // 32
+        )  # rows past M repeat row M-1
         sx0 = _pow2_f32(gl.load(xc_ptrs + kt0 * 4))
         sx1 = _pow2_f32(gl.load(xc_ptrs + kt0 * 4 + 1))
         sx2 = _pow2_f32(gl.load(xc_ptrs + kt0 * 4 + 2))
@@ -336,8 +467,18 @@ def _wgmma_decode_kernel(
     for i in range(n_it):
         stage = i % STAGES
         nxt = i + STAGES - 1  # refill the stage of tile i-1, whose MMAs were waited for
-        _issue_tile(w_desc, x_desc, w_s, x_s, bars.index(nxt % STAGES), nxt % STAGES, p0, (kt0 + nxt) * 128,
-                    nxt < n_it, not FUSE_QUANT)
+        _issue_tile(
+            w_desc,
+            x_desc,
+            w_s,
+            x_s,
+            bars.index(nxt % STAGES),
+            nxt % STAGES,
+            p0,
+            (kt0 + nxt) * 128,
+            nxt < n_it,
+            not FUSE_QUANT,
+        )
         kn = gl.minimum(kt0 + i + 1, last)
         sw_new = gl.load(sw_ptrs + gl.minimum(kt0 + i + SW_AHEAD, last) * 128)
         if FUSE_QUANT:  # quantize tile i while its weight bytes are still on their way
@@ -382,26 +523,37 @@ def _wgmma_decode_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    lrows = _p32_logical(rows) if LAYOUT == 1 else rows  # trtllm rows are P32-shuffled, cutlass ones logical
+    lrows = (
+        _p32_logical(rows) if LAYOUT == 1 else rows
+    )  # trtllm rows are P32-shuffled, cutlass ones logical
     mask = gl.expand_dims(lrows < N, 1) & gl.expand_dims(cols < M, 0)
     off = gl.expand_dims(cols.to(gl.int64), 0) * stride_om + gl.expand_dims(lrows, 1)
     # partials summed in this kernel (SERIAL), or by a second kernel that maps the rows (PHYS),
     # stay in physical row order: contiguous stores and loads (in the P32 order a warp's 8 rows
-    # span 4x the 32-byte sectors); else the partials' rows are logical. ``mask`` serves both: a trtllm N is a multiple of 32 and P32 permutes
+    # span 4x the 32-byte sectors); else the partials' rows are logical. ``mask`` serves both: a
+    # trtllm N is a multiple of 32 and P32 permutes
     # within 32-row groups, so the physical and the logical rows below N are the same set
-    ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(rows if SERIAL or PHYS else lrows, 1)
+    ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(
+        rows if SERIAL or PHYS else lrows, 1
+    )
     if CLUSTER > 1:
-        if split_k > 1:  # each split leaves its partial in its shared memory; each sums a share of the
+        if (
+            split_k > 1
+        ):  # each split leaves its partial in its shared memory; each sums a share of the
             # tile's elements over the cluster, in split order (the bits of the serial reduction)
             _exchange_store((gl.expand_dims(rows - p0, 1) * BM + gl.expand_dims(cols, 0)) * 4, acc)
             _cluster_sync()
-            red_l: gl.constexpr = gl.BlockedLayout([max(RED_E // (32 * num_warps), 1)], [32], [num_warps], [0])
+            red_l: gl.constexpr = gl.BlockedLayout(
+                [max(RED_E // (32 * num_warps), 1)], [32], [num_warps], [0]
+            )
             share = gl.cdiv(BN * BM, split_k)
             e = split * share + gl.arange(0, RED_E, layout=red_l)
             ok = (e < (split + 1) * share) & (e < BN * BM)
             total = gl.zeros([RED_E], gl.float32, red_l)
             for r in gl.static_range(CLUSTER):
-                total = total + _exchange_load(gl.minimum(e, BN * BM - 1) * 4, gl.full([RED_E], r, gl.int32, red_l))
+                total = total + _exchange_load(
+                    gl.minimum(e, BN * BM - 1) * 4, gl.full([RED_E], r, gl.int32, red_l)
+                )
             _cluster_sync()  # the others' shared memory stays until it was read
             pr = p0 + e // BM  # physical rows, then logical
             pr = _p32_logical(pr) if LAYOUT == 1 else pr
@@ -409,7 +561,11 @@ def _wgmma_decode_kernel(
             ok = ok & (pr < N) & (ec < M)
             if HAS_BIAS:
                 total += gl.load(b_ptr + gl.minimum(pr, N - 1)).to(gl.float32)
-            gl.store(out_ptr + ec.to(gl.int64) * stride_om + pr, total.to(out_ptr.dtype.element_ty), mask=ok)
+            gl.store(
+                out_ptr + ec.to(gl.int64) * stride_om + pr,
+                total.to(out_ptr.dtype.element_ty),
+                mask=ok,
+            )
         else:  # launched without clusters: this program ran the whole K
             _store_tile(acc, b_ptr, out_ptr, off, mask, lrows, N, HAS_BIAS)
     elif PARTIAL:
@@ -426,8 +582,12 @@ def _wgmma_decode_kernel(
                 total = gl.zeros([BN, BM], gl.float32, acc_l)
                 for sp in range(0, split_k, RED_CHUNK):
                     for j in gl.static_range(RED_CHUNK):
-                        total = total + gl.load(ws_ptr + (sp + j) * stride_os + ws_off, mask=mask & (sp + j < split_k),
-                                                other=0.0, cache_modifier=".cg")
+                        total = total + gl.load(
+                            ws_ptr + (sp + j) * stride_os + ws_off,
+                            mask=mask & (sp + j < split_k),
+                            other=0.0,
+                            cache_modifier=".cg",
+                        )
                 if HAS_BIAS:
                     total += gl.expand_dims(bias, 1)
                 gl.store(out_ptr + off, total.to(out_ptr.dtype.element_ty), mask=mask)
@@ -446,16 +606,36 @@ def _smem_layout(rows: int) -> gl.NVMMASharedLayout:
 def supported(weight: MXFP8Weight, k: int) -> bool:
     """Whether the kernel can read ``weight`` as it lies: a 128x4 layout, TMA-aligned bytes."""
     d = weight.data
-    return (weight.layout in LAYOUT_CODE and k % BLOCK_K == 0 and d.is_contiguous() and d.data_ptr() % 16 == 0
-            and weight.scale.is_contiguous() and weight.scale.data_ptr() % 4 == 0)
+    return (
+        weight.layout in LAYOUT_CODE
+        and k % BLOCK_K == 0
+        and d.is_contiguous()
+        and d.data_ptr() % 16 == 0
+        and weight.scale.is_contiguous()
+        and weight.scale.data_ptr() % 4 == 0
+    )
 
 
 def wgmma_decode(
-    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
-    ws: torch.Tensor | None, lock: torch.Tensor | None, *, split_k: int, xc: torch.Tensor | None = None,
-    stages: int = 2, sw_ahead: int = 1, pdl: bool = False, red_chunk: int = 4, x_words: bool = True,
-    cluster: bool = False, block_n: int = BLOCK_N, prefetch: bool = False,
-    phys_partials: bool = False, x_prefetch: bool = False,
+    x: torch.Tensor,
+    weight: MXFP8Weight,
+    bias: torch.Tensor | None,
+    out: torch.Tensor,
+    ws: torch.Tensor | None,
+    lock: torch.Tensor | None,
+    *,
+    split_k: int,
+    xc: torch.Tensor | None = None,
+    stages: int = 2,
+    sw_ahead: int = 1,
+    pdl: bool = False,
+    red_chunk: int = 4,
+    x_words: bool = True,
+    cluster: bool = False,
+    block_n: int = BLOCK_N,
+    prefetch: bool = False,
+    phys_partials: bool = False,
+    x_prefetch: bool = False,
 ) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16); with ``split_k > 1`` fp32 partials go to ``ws``
     ``[split_k, M, N]`` and are summed by the last program of each row tile to arrive when
@@ -472,7 +652,8 @@ def wgmma_decode(
     caller summing the partials with a second kernel launches it with PDL too); ``prefetch`` (with
     ``pdl`` and activations quantized here): the weight's first K-tiles and scale words are loaded
     before the wait, and with ``x_prefetch`` also the activations of its K-tiles into L2 (a hint:
-    the values are read after the wait). ``phys_partials``: split-K partials in ``ws`` keep the weight's physical row
+    the values are read after the wait). ``phys_partials``: split-K partials in ``ws`` keep the
+    weight's physical row
     order (the caller's second kernel maps them to logical rows). ``x_words``: bf16
     activations (M >= 2, 4-byte aligned rows) are loaded as int32 words of two elements, which
     stay packed in the registers carried to the next K-tile (``False``: element by element, as
@@ -489,26 +670,38 @@ def wgmma_decode(
         raise ValueError(f"block_n={block_n}: 64, or 128 (two warpgroups) from M = 3")
     if not 1 <= sw_ahead <= 3:
         raise ValueError(f"sw_ahead={sw_ahead}: 1, 2 or 3")
-    if m > 16 or not supported(weight, k) or x.stride(1) != 1:
-        raise LayoutError(f"{weight.name or 'weight'}: the wgmma decode kernel needs M <= 16, K % 128 == 0, "
-                          "a trtllm/cutlass weight and 16-byte aligned contiguous bytes")
+    if m > MAX_M or not supported(weight, k) or x.stride(1) != 1:
+        raise LayoutError(
+            f"{weight.name or 'weight'}: the wgmma decode kernel needs M <= {MAX_M}, "
+            "K % 128 == 0, a trtllm/cutlass weight and 16-byte aligned contiguous bytes"
+        )
     fuse = x.dtype != torch.float8_e4m3fn
     if fuse and x.dtype not in (torch.bfloat16, torch.float16, torch.float32):
-        raise LayoutError(f"activations of dtype {x.dtype}: bf16/fp16/fp32, or e4m3 with their codes")
+        raise LayoutError(
+            f"activations of dtype {x.dtype}: bf16/fp16/fp32, or e4m3 with their codes"
+        )
     if not fuse and xc is None:
         raise LayoutError("e4m3 activations need their codes (xc)")
-    bm = 8 if m <= 8 else 16
+    bm = max(8, next_pow2(m))  # the MMA's N: 8, 16 or 32
     w_layout, x_layout = _smem_layout(block_n), _smem_layout(bm)
     w_desc = TensorDescriptor(weight.data, [n, k], [k, 1], [block_n, BLOCK_K], w_layout)
     x_desc = None if fuse else TensorDescriptor(x, [m, k], [k, 1], [bm, BLOCK_K], x_layout)
     cluster = cluster and split_k > 1
     if cluster and split_k not in CLUSTER_SIZES:
-        raise ValueError(f"split_k={split_k}: a cluster holds {', '.join(map(str, CLUSTER_SIZES))} programs")
-    k_tiles = k // BLOCK_K  # every split needs a K-tile (an empty one would read scale words past its end)
+        raise ValueError(
+            f"split_k={split_k}: a cluster holds {', '.join(map(str, CLUSTER_SIZES))} programs"
+        )
+    k_tiles = (
+        k // BLOCK_K
+    )  # every split needs a K-tile (an empty one would read scale words past its end)
     if split_k > k_tiles or (not cluster and (split_k - 1) * cdiv(k_tiles, split_k) >= k_tiles):
-        raise ValueError(f"split_k={split_k}: leaves a split of K = {k} ({k_tiles} tiles of {BLOCK_K}) empty")
+        raise ValueError(
+            f"split_k={split_k}: leaves a split of K = {k} ({k_tiles} tiles of {BLOCK_K}) empty"
+        )
     partial = split_k > 1 and not cluster
-    early = prefetch and pdl and fuse  # loads before the PDL wait: only with the activations quantized here
+    early = (
+        prefetch and pdl and fuse
+    )  # loads before the PDL wait: only with the activations quantized here
     # bf16 activations go to the kernel as int32 words (two elements each) where they align
     words = (x_words and fuse and x.dtype == torch.bfloat16 and m >= 2 and x.data_ptr() % 4 == 0
              and x.stride(0) % 2 == 0)
@@ -516,19 +709,46 @@ def wgmma_decode(
     scale = weight.scale.view(torch.int32)
     cp4 = (k // 32 + 3) // 4
     compiled = _wgmma_decode_kernel[(cdiv(n, block_n), 1 if cluster else split_k)](
-        w_desc, x_desc, xk, scale, scale if fuse else xc, bias if bias is not None else out, out,
-        ws if partial else out, lock if lock is not None else scale, m, n, k, stride_xm, out.stride(0),
-        m * n, cp4, split_k,
-        LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
-        SERIAL=partial and lock is not None, FUSE_QUANT=fuse, BM=bm, QM=next_pow2(m),
-        X_SMEM=x_layout, STAGES=stages, SW_AHEAD=sw_ahead, PDL=pdl, RED_CHUNK=red_chunk, X_WORDS=words,
+        w_desc,
+        x_desc,
+        xk,
+        scale,
+        scale if fuse else xc,
+        bias if bias is not None else out,
+        out,
+        ws if partial else out,
+        lock if lock is not None else scale,
+        m,
+        n,
+        k,
+        stride_xm,
+        out.stride(0),
+        m * n,
+        cp4,
+        split_k,
+        LAYOUT=LAYOUT_CODE[weight.layout],
+        HAS_BIAS=bias is not None,
+        PARTIAL=partial,
+        SERIAL=partial and lock is not None,
+        FUSE_QUANT=fuse,
+        BM=bm,
+        QM=next_pow2(m),
+        X_SMEM=x_layout,
+        STAGES=stages,
+        SW_AHEAD=sw_ahead,
+        PDL=pdl,
+        RED_CHUNK=red_chunk,
+        X_WORDS=words,
         CLUSTER=split_k if cluster else 0,
-        RED_E=block_n * bm >> (split_k.bit_length() - 1) if cluster else 0, PREFETCH=early,
-        PHYS=phys_partials, X_PREFETCH=x_prefetch and early,
+        RED_E=block_n * bm >> (split_k.bit_length() - 1) if cluster else 0,
+        PREFETCH=early,
+        PHYS=phys_partials,
+        X_PREFETCH=x_prefetch and early,
         num_warps=block_n // 16,
         **({"launch_pdl": True} if pdl else {}),
     )
-    if cluster:  # where the wrapper below did not see the compilation (another Triton): from the next launch on
+    # where the wrapper below did not see the compilation (another Triton): from the next launch on
+    if cluster:
         _launch_as_clusters(compiled, split_k)
 
 

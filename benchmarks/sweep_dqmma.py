@@ -1,0 +1,226 @@
+"""Sweep of the dequantizing wgmma kernel's configs against bf16 on the model shapes (H200).
+
+    python3 benchmarks/sweep_dqmma.py [--ms 32,64,...] [--shapes a,b] [--out DIR] [--check]
+
+For each M and shape: bf16 F.linear and every candidate config (block_n, block_m, stages,
+split_k) of ``Kernel.DQMMA`` timed as ``bench_gemm.py`` times (CUDA-graph replays over rotating
+operand copies), trtllm layout; the best config per row and its ratio are printed and written to
+``sweep_dqmma.json``. ``--check`` first compares the kernel with a float64 reference (both
+layouts, bias, split-K) and exits non-zero on a mismatch.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from pathlib import Path
+from statistics import median
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+
+from bench_gemm import n_copies, random_weight, rel_err, time_graph  # noqa: E402
+
+from mxfp8_convert.runtime import MXFP8Weight  # noqa: E402
+from mxfp8_convert.runtime.hopper.config import GemmConfig, Kernel, cdiv  # noqa: E402
+from mxfp8_convert.runtime.hopper.launch import triton_linear  # noqa: E402
+from mxfp8_convert.runtime.hopper.shapes import MODEL_SHAPES  # noqa: E402
+
+SMEM = 220 * 1024
+
+
+def stages_for(bm: int) -> list[int]:
+    return {16: [3, 5], 32: [3, 5], 64: [3, 5], 128: [3, 4], 256: [2, 3]}[bm]
+
+
+def splits_for(tiles: int, k_tiles: int, sms: int = 132) -> list[int]:
+    out = {1}
+    for w in (1, 2):
+        s = max(1, min(-(-w * sms // tiles), k_tiles // 2))
+        s = cdiv(k_tiles, cdiv(k_tiles, s))  # no empty split
+        out.add(s)
+    return sorted(out)
+
+
+def candidates(m: int, n: int, k: int, facts) -> list[GemmConfig]:
+    bms = {32: (32,), 64: (64, 32), 128: (128, 64), 256: (256, 128), 512: (256, 128),
+           2048: (256, 128), 8192: (256, 128)}.get(m, (min(256, 1 << (m - 1).bit_length()),))
+    out = []
+    for bn in (64, 128):
+        for bm in bms:
+            tiles = cdiv(n, bn) * cdiv(m, bm)
+            for st in stages_for(bm):
+                for sp in splits_for(tiles, k // 128) if m < 2048 else (1,):
+                    out.append(GemmConfig(bn, bm, 128, Kernel.DQMMA, split_k=sp, num_stages=st,
+                                          num_warps=bn // 16, fuse_quant=False))
+    if m >= 256:  # the cuBLAS path (the weight dequantized chunk by chunk)
+        from mxfp8_convert.runtime.hopper.rules import cublas_config
+
+        out.append(cublas_config(m, n, k))
+    if m <= 32:  # the FP8 wgmma kernel (activations quantized inside)
+        from mxfp8_convert.runtime.hopper.rules import launch_options, wgmma_config
+
+        seen = set()
+        for bn in (64, 128):
+            for waves in (1, 2, 3, 4):
+                for cl in (False, True):
+                    for serial in (True, False):
+                        if cl and not serial:
+                            continue
+                        c = wgmma_config(m, n, k, facts, waves=waves, fuse_quant=True,
+                                         sw_ahead=2, max_split=16, cluster=cl, block_n=bn,
+                                         serial_reduce=serial)
+                        c = launch_options(c, m, facts)
+                        key = tuple(sorted(c.to_dict().items()))
+                        if key not in seen:
+                            seen.add(key)
+                            out.append(c)
+    return out
+
+
+def label(c: GemmConfig) -> str:
+    if c.kind is Kernel.CUBLAS:
+        return "cublas"
+    if c.kind is Kernel.DQMMA:
+        return f"dq{c.block_n}x{c.block_m}/st{c.num_stages}/s{c.split_k}"
+    red = "cl" if c.cluster else ("ser" if c.serial_reduce else "2k")
+    return f"wg{c.block_n}/s{c.split_k}{red}{'+pdl' if c.pdl else ''}"
+
+
+def check() -> bool:
+    ok = True
+    for (n, k) in ((4096, 4096), (1024, 2560), (576, 7168), (7168, 2048)):
+        for lay in ("trtllm", "cutlass"):
+            w, q, code = random_weight(n, k, lay, seed=n + k)
+            for m in (17, 32, 100, 300):
+                x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+                bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
+                wg = []
+                if m <= 32:
+                    from mxfp8_convert.runtime.hopper.probe import device_facts
+                    from mxfp8_convert.runtime.hopper.rules import launch_options, wgmma_config
+
+                    facts = device_facts(torch.device("cuda"))
+                    for bn, cl, ser in ((64, False, True), (128, False, False), (64, True, True)):
+                        wg.append(launch_options(wgmma_config(
+                            m, n, k, facts, waves=2, fuse_quant=True, sw_ahead=2, max_split=16,
+                            cluster=cl, block_n=bn, serial_reduce=ser), m, facts))
+                for cfg in (
+                    *wg,
+                    GemmConfig(
+                        128,
+                        128 if m > 64 else 64,
+                        128,
+                        Kernel.DQMMA,
+                        split_k=1,
+                        num_stages=3,
+                        num_warps=8,
+                    ),
+                    GemmConfig(64, 32, 128, Kernel.DQMMA, split_k=4, num_stages=4, num_warps=4),
+                    GemmConfig(128, 256, 128, Kernel.DQMMA, split_k=2, num_stages=2, num_warps=8),
+                ):
+                    for b in (None, bias):
+                        out = torch.full((m, n), float("nan"), device="cuda",
+                                         dtype=torch.bfloat16)
+                        try:
+                            triton_linear(x, w, b, out=out, config=cfg)
+                            torch.cuda.synchronize()
+                        except Exception:
+                            traceback.print_exc()
+                            print(f"FAIL launch n={n} k={k} {lay} m={m} {label(cfg)}")
+                            return False
+                        ref_out = out.float() - (b.float() if b is not None else 0)
+                        e = rel_err(ref_out, x, q, code)
+                        bad = int(out.isnan().sum())
+                        if e > 1e-2 or bad:
+                            ok = False
+                            print(f"FAIL n={n} k={k} {lay} m={m} {label(cfg)} "
+                                  f"bias={b is not None} err={e:.2e} unwritten={bad}")
+    print("check", "ok" if ok else "FAILED", flush=True)
+    return ok
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--ms", default="32,64,128,256,512,2048")
+    ap.add_argument("--shapes", default="")
+    ap.add_argument("--out", default=os.environ.get("OUT", "."))
+    ap.add_argument("--check", action="store_true")
+    ap.add_argument("--budget", type=float, default=400.0)
+    a = ap.parse_args()
+    t0 = time.time()
+    if a.check and not check():
+        return 1
+    print(f"[{time.time() - t0:.0f} s] sweep", flush=True)
+    ms = [int(v) for v in a.ms.split(",")]
+    pats = a.shapes.split(",") if a.shapes else []
+    shapes = [s for s in MODEL_SHAPES if not pats or any(p in s[0] for p in pats)]
+    rows = []
+    from mxfp8_convert.runtime.hopper.probe import device_facts
+
+    facts = device_facts(torch.device("cuda"))
+    for name, n, k in shapes:
+        if time.time() - t0 > a.budget:
+            print("budget spent", flush=True)
+            break
+        w, q, code = random_weight(n, k, "trtllm")
+        wbf = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        xmax = torch.randn(max(ms), k, device="cuda", dtype=torch.bfloat16)
+        for m in ms:
+            x = xmax[:m].contiguous()
+            cb = n_copies(n * k * 2 + m * k * 2, m * n * 2)
+            wbs = [wbf.clone() for _ in range(cb)]
+            xs = [x.clone() for _ in range(cb)]
+            t_bf = time_graph(
+                lambda i, xs=xs, wbs=wbs: lambda: torch.nn.functional.linear(xs[i], wbs[i]), cb
+            )
+            del wbs
+            cm = n_copies(n * k + n * k // 32 + m * k * 2, m * n * 2)
+            ws = [MXFP8Weight(w.data.clone(), w.scale.clone(), w.layout) for _ in range(cm)]
+            xs = [x.clone() for _ in range(cm)]
+            res = []
+            for cfg in candidates(m, n, k, facts):
+                try:
+                    t = time_graph(lambda i, c=cfg, xs=xs, ws=ws: (
+                        lambda: triton_linear(xs[i], ws[i], config=c)), cm)
+                except Exception as e:  # noqa: BLE001
+                    print(f"  {label(cfg)}: {type(e).__name__}: {str(e)[:300]}", flush=True)
+                    continue
+                res.append((t, cfg))
+            del ws, xs
+            if not res:
+                continue
+            res.sort(key=lambda r: r[0])
+            t, cfg = res[0]
+            out = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            triton_linear(x, w, out=out, config=cfg)
+            err = rel_err(out, x, q, code)
+            rows.append({"shape": name, "m": m, "n": n, "k": k, "bf16_ms": t_bf, "ms": t,
+                         "ratio": t_bf / t, "rel_err": err, "unwritten": int(out.isnan().sum()),
+                         "config": cfg.to_dict(),
+                         "all": [{"ms": tt, "ratio": t_bf / tt, "config": c.to_dict()}
+                                 for tt, c in res]})
+            top = ", ".join(f"{label(c)} x{t_bf / tt:.2f}" for tt, c in res[:4])
+            print(f"{name:32s} M={m:5d} bf16 {t_bf * 1e3:7.1f} us  best {t * 1e3:7.1f} us "
+                  f"x{t_bf / t:.2f} err {err:.1e}  [{top}]", flush=True)
+        del w, wbf
+        torch.cuda.empty_cache()
+        Path(a.out).mkdir(parents=True, exist_ok=True)
+        Path(a.out, "sweep_dqmma.json").write_text(json.dumps(rows, indent=1))
+    for m in ms:
+        v = [r["ratio"] for r in rows if r["m"] == m]
+        if v:
+            print(f"M={m:5d} best-config ratio min {min(v):.2f} median {median(v):.2f} "
+                  f"max {max(v):.2f} ({len(v)} shapes)")
+    print(f"[{time.time() - t0:.0f} s] done")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
