@@ -136,14 +136,15 @@ def main() -> None:
                 "mxfp8_convert", str(src), "--backend", backend, "--quiet"]
     results, cpu, rss = against_cp(src, base / "dst", contenders, args.repeat)
 
-    print(banner())  # after the timings: importing torch here must not inflate the children's RSS
+    machine = banner()  # after the timings: importing torch must not inflate the children's RSS
+    print(machine)
     shards = len(list(src.glob("*.safetensors")))
     print(f"source: {size / 1e9:.2f} GB in {shards} shards, largest tensor 512 MiB; "
           f"median of {args.repeat} interleaved runs")
-    report(results, cpu, rss, size, args)
+    report(results, cpu, rss, size, args, machine)
 
 
-def report(results: dict, cpu: dict, rss: dict, size: int, args) -> None:
+def report(results: dict, cpu: dict, rss: dict, size: int, args, machine: str) -> None:
     """Median per contender, the ratio to cp of every interleaved round (its spread) and the
     median CPU seconds per GB."""
     cp = results["cp -r + sync"]
@@ -163,6 +164,7 @@ def report(results: dict, cpu: dict, rss: dict, size: int, args) -> None:
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+        "machine": machine,
         "bytes": size, "rows": rows}, indent=1) + "\n")
 
 
