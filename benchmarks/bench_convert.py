@@ -1,6 +1,10 @@
 """Convert a synthetic >= 4 GB MXFP8 checkpoint and, in the same run, `cp -r` the same files.
 
-Reports both times, their ratio and the converter's peak RSS (measured on a child process).
+Reports both times, their ratio, the CPU time (user + system) of each process and the
+converter's peak RSS (all measured on child processes with ``os.wait4``). cp's CPU time leaves
+out the kernel's writeback threads, which write its data back during ``sync``; the converter
+starts the writeback of its own pages itself (``write.ShardWriter``), so that share is in its
+figure.
 Usage: python benchmarks/bench_convert.py [--gb 4] [--dir bench-data] [--backend trtllm]
 """
 
@@ -8,6 +12,8 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
+import shutil
 import statistics
 import subprocess
 import sys
@@ -15,10 +21,47 @@ import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).parent))
-from _env import against_cp, banner  # noqa: E402
+from _env import banner  # noqa: E402
 
 # (name, N, K): Llama-3-70B-like shapes; the largest weight is 512 MiB (16384 x 32768)
-SHAPES = [("mlp.down_proj", 16384, 32768), ("mlp.up_proj", 28672, 8192), ("self_attn.q_proj", 8192, 8192)]
+SHAPES = [("mlp.down_proj", 16384, 32768), ("mlp.up_proj", 28672, 8192),
+          ("self_attn.q_proj", 8192, 8192)]
+
+
+def timed(cmd: list[str]) -> tuple[float, float, int]:
+    """Wall time, CPU time (user + system) and peak RSS (bytes) of one child process."""
+    t = time.perf_counter()
+    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
+    _, status, usage = os.wait4(proc.pid, 0)
+    dt = time.perf_counter() - t
+    if os.waitstatus_to_exitcode(status):
+        raise SystemExit(f"{cmd[0]} failed with exit code {os.waitstatus_to_exitcode(status)}")
+    return dt, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024  # KiB on Linux
+
+
+def against_cp(src: Path, dst: Path, contenders: dict[str, list[str]], repeat: int):
+    """``cp -r src dst`` + ``sync`` and each contender (given ``-o dst``), interleaved
+    ``repeat`` times, each from a synced, empty destination. Returns per name the lists of wall
+    and CPU seconds, and the peak RSS."""
+    wall: dict[str, list[float]] = {"cp -r + sync": []}
+    cpu: dict[str, list[float]] = {"cp -r + sync": []}
+    rss: dict[str, int] = {}
+    for _ in range(repeat):
+        shutil.rmtree(dst, ignore_errors=True)
+        subprocess.run(["sync"], check=True)
+        t_cp, c_cp, _ = timed(["cp", "-r", str(src), str(dst)])
+        t_sync, c_sync, _ = timed(["sync"])
+        wall["cp -r + sync"].append(t_cp + t_sync)
+        cpu["cp -r + sync"].append(c_cp + c_sync)
+        for name, cmd in contenders.items():
+            shutil.rmtree(dst, ignore_errors=True)
+            subprocess.run(["sync"], check=True)
+            t, c, r = timed([*cmd, "-o", str(dst)])
+            wall.setdefault(name, []).append(t)
+            cpu.setdefault(name, []).append(c)
+            rss[name] = max(rss.get(name, 0), r)
+    shutil.rmtree(dst, ignore_errors=True)
+    return wall, cpu, rss
 
 
 def make_source(root: Path, gb: float) -> Path:
@@ -34,9 +77,12 @@ def make_source(root: Path, gb: float) -> Path:
         tensors = {}
         for name, n, k in SHAPES:
             p = f"model.layers.{layer}.{name}"
-            tensors[f"{p}.weight"] = torch.randint(0, 126, (n, k), dtype=torch.uint8, generator=gen).view(torch.float8_e4m3fn)
-            tensors[f"{p}.weight_scale_inv"] = torch.randint(110, 130, (n, k // 32), dtype=torch.uint8, generator=gen)
-        tensors[f"model.layers.{layer}.input_layernorm.weight"] = torch.ones(8192, dtype=torch.bfloat16)
+            w = torch.randint(0, 126, (n, k), dtype=torch.uint8, generator=gen)
+            tensors[f"{p}.weight"] = w.view(torch.float8_e4m3fn)
+            tensors[f"{p}.weight_scale_inv"] = torch.randint(110, 130, (n, k // 32),
+                                                             dtype=torch.uint8, generator=gen)
+        norm = torch.ones(8192, dtype=torch.bfloat16)
+        tensors[f"model.layers.{layer}.input_layernorm.weight"] = norm
         fn = f"model-{shard + 1:05d}.safetensors"
         save_file(tensors, str(root / fn), metadata={"format": "pt"})
         for k, t in tensors.items():
@@ -45,7 +91,8 @@ def make_source(root: Path, gb: float) -> Path:
         shard += 1
         layer += 1
         del tensors
-    (root / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total}, "weight_map": weight_map}))
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (root / "model.safetensors.index.json").write_text(json.dumps(index))
     (root / "config.json").write_text(json.dumps({"model_type": "llama", "quantization_config": {
         "quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
         "activation_scheme": "dynamic"}}))
@@ -58,7 +105,8 @@ def main() -> None:
     ap.add_argument("--dir", default="bench-data")
     ap.add_argument("--backend", nargs="+", default=["trtllm", "cutlass"])
     ap.add_argument("--repeat", type=int, default=3)
-    ap.add_argument("--workers", type=int, nargs="+", default=[1], help="also time --workers N (e.g. 1 2)")
+    ap.add_argument("--workers", type=int, nargs="+", default=[1],
+                    help="also time --workers N (e.g. 1 2)")
     ap.add_argument("--baseline", help="also time the converter at this source tree (e.g. an older "
                     "commit's `git archive`), as 'NAME@baseline'")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "convert.json"))
@@ -69,30 +117,36 @@ def main() -> None:
         make_source(base / "src", args.gb)
         return
     # made in a child so that this process stays small and cannot skew the RSS figures
-    subprocess.run([sys.executable, __file__, "--make-only", "--gb", str(args.gb), "--dir", args.dir], check=True)
+    subprocess.run([sys.executable, __file__, "--make-only", "--gb", str(args.gb), "--dir",
+                    args.dir], check=True)
     src = base / "src"
     size = sum(p.stat().st_size for p in src.iterdir())
-    subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL,
+                   check=True)  # warm the page cache
     contenders = {
         f"mxfp8-convert {backend}" + (f" --workers {w}" if w > 1 else ""):
-            [sys.executable, "-P", "-m", "mxfp8_convert", str(src), "--backend", backend, "--quiet", "--workers", str(w)]
+            [sys.executable, "-P", "-m", "mxfp8_convert", str(src), "--backend", backend,
+             "--quiet", "--workers", str(w)]
         for backend in args.backend for w in args.workers
     }
     if args.baseline:  # the same commands with the older tree first on the path
         for backend in args.backend:
             contenders[f"mxfp8-convert {backend}@baseline"] = [
-                "env", f"PYTHONPATH={Path(args.baseline).resolve()}", sys.executable, "-P", "-m", "mxfp8_convert",
-                str(src), "--backend", backend, "--quiet"]
-    results, rss = against_cp(src, base / "dst", contenders, args.repeat)
+                "env", f"PYTHONPATH={Path(args.baseline).resolve()}", sys.executable, "-P", "-m",
+                "mxfp8_convert", str(src), "--backend", backend, "--quiet"]
+    results, cpu, rss = against_cp(src, base / "dst", contenders, args.repeat)
 
-    print(banner())  # after the timings: importing torch here must not inflate the children's RSS
-    print(f"source: {size / 1e9:.2f} GB in {len(list(src.glob('*.safetensors')))} shards, largest tensor 512 MiB; "
+    machine = banner()  # after the timings: importing torch must not inflate the children's RSS
+    print(machine)
+    shards = len(list(src.glob("*.safetensors")))
+    print(f"source: {size / 1e9:.2f} GB in {shards} shards, largest tensor 512 MiB; "
           f"median of {args.repeat} interleaved runs")
-    report(results, rss, size, args)
+    report(results, cpu, rss, size, args, machine)
 
 
-def report(results: dict, rss: dict, size: int, args) -> None:
-    """Median per contender, and the ratio to cp of every interleaved round (its spread)."""
+def report(results: dict, cpu: dict, rss: dict, size: int, args, machine: str) -> None:
+    """Median per contender, the ratio to cp of every interleaved round (its spread) and the
+    median CPU seconds per GB."""
     cp = results["cp -r + sync"]
     base_t = statistics.median(cp)
     rows = []
@@ -100,12 +154,17 @@ def report(results: dict, rss: dict, size: int, args) -> None:
         t = statistics.median(ts)
         ratios = [c / x for c, x in zip(cp, ts, strict=True)]
         extra = f"  peak RSS {rss[name] / 2**20:.0f} MiB" if name in rss else ""
+        c = statistics.median(cpu[name])
+        runs = ", ".join(f"{x:.2f}" for x in ts)
         print(f"{name:36s} {t:7.2f} s  {size / t / 1e9:5.2f} GB/s  vs cp+sync {base_t / t:4.2f}x "
-              f"(per round {min(ratios):.2f}-{max(ratios):.2f}x){extra}  runs {', '.join(f'{x:.2f}' for x in ts)}")
-        rows.append({"name": name, "seconds": ts, "ratio_to_cp_per_round": ratios, "peak_rss": rss.get(name)})
+              f"(per round {min(ratios):.2f}-{max(ratios):.2f}x)  CPU {c:5.2f} s "
+              f"({c / size * 1e9:.2f} s/GB){extra}  runs {runs}")
+        rows.append({"name": name, "seconds": ts, "cpu_seconds": cpu[name],
+                     "ratio_to_cp_per_round": ratios, "peak_rss": rss.get(name)})
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
+        "machine": machine,
         "bytes": size, "rows": rows}, indent=1) + "\n")
 
 

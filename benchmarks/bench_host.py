@@ -47,9 +47,12 @@ def worker(calls: int) -> dict:
     from mxfp8_convert.runtime import MXFP8Weight, quantize_mxfp8
     from mxfp8_convert.runtime.hopper.config import GemmConfig, Kernel
 
-    class NoLaunch:  # returns what a launch returns: the compiled kernel, here its launch metadata only
+    # returns what a launch returns: the compiled kernel, here its launch metadata only
+    class NoLaunch:
         def __getitem__(self, grid):
-            return lambda *args, **kwargs: SimpleNamespace(packed_metadata=(4, kwargs.get("CLUSTER") or 1, 0))
+            return lambda *args, **kwargs: SimpleNamespace(
+                packed_metadata=(4, kwargs.get("CLUSTER") or 1, 0)
+            )
 
     wgmma._wgmma_decode_kernel = NoLaunch()
     tri._splitk_reduce_kernel = NoLaunch()
@@ -59,8 +62,18 @@ def worker(calls: int) -> dict:
         w = MXFP8Weight.from_canonical(q, code, "trtllm")
         x = torch.randn(m, k).bfloat16()
         y = torch.empty(m, n, dtype=torch.bfloat16)
-        cfg = GemmConfig(64, 16, 128, Kernel.WGMMA, fuse_quant=True, num_stages=2, sw_ahead=2,
-                         pdl=True, red_chunk=8, **fields)
+        cfg = GemmConfig(
+            64,
+            16,
+            128,
+            Kernel.WGMMA,
+            fuse_quant=True,
+            num_stages=2,
+            sw_ahead=2,
+            pdl=True,
+            red_chunk=8,
+            **fields,
+        )
         for _ in range(200):
             tri._launch_wgmma(x, w, None, y, cfg)
         times = []
@@ -74,9 +87,14 @@ def worker(calls: int) -> dict:
 
 
 def run_tree(tree: Path, calls: int) -> dict:
-    code = f"import sys; sys.path.insert(0, {str(tree)!r}); sys.path.insert(1, {str(ROOT / 'benchmarks')!r}); " \
-           f"import json, bench_host; print(json.dumps(bench_host.worker({calls})))"
-    res = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree)
+    code = (
+        f"import sys; sys.path.insert(0, {str(tree)!r}); "
+        f"sys.path.insert(1, {str(ROOT / 'benchmarks')!r}); "
+        f"import json, bench_host; print(json.dumps(bench_host.worker({calls})))"
+    )
+    res = subprocess.run(
+        [sys.executable, "-c", code], capture_output=True, text=True, check=True, cwd=tree
+    )
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 
@@ -90,8 +108,11 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as tmp:
         if args.baseline:
             base = Path(tmp) / "baseline"
-            subprocess.run(["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
-                           check=True, capture_output=True)
+            subprocess.run(
+                ["git", "-C", str(ROOT), "worktree", "add", "--detach", str(base), args.baseline],
+                check=True,
+                capture_output=True,
+            )
             trees = {f"baseline {args.baseline}": base, **trees}
         try:
             runs = {label: [] for label in trees}
@@ -100,14 +121,31 @@ def main() -> None:
                     runs[label].append(run_tree(tree, args.calls))
         finally:
             if args.baseline:
-                subprocess.run(["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)], check=False)
-    print(f"python {sys.version.split()[0]}, {args.rounds} rounds x 5 x {args.calls} calls, median us per call")
+                subprocess.run(
+                    ["git", "-C", str(ROOT), "worktree", "remove", "--force", str(base)],
+                    check=False,
+                )
+    print(
+        f"python {sys.version.split()[0]}, {args.rounds} rounds x 5 x {args.calls} calls, "
+        "median us per call"
+    )
     labels = list(trees)
-    print(f"{'case':28s} " + " ".join(f"{lab:>22s}" for lab in labels) + ("   ratio" if len(labels) == 2 else ""))
+    print(
+        f"{'case':28s} "
+        + " ".join(f"{lab:>22s}" for lab in labels)
+        + ("   ratio" if len(labels) == 2 else "")
+    )
     for name, *_ in CASES:
-        med = [statistics.median(r[name] for r in runs[lab]) if name in runs[lab][0] else None for lab in labels]
+        med = [
+            statistics.median(r[name] for r in runs[lab]) if name in runs[lab][0] else None
+            for lab in labels
+        ]
         ratio = f"   x{med[0] / med[1]:.2f}" if len(med) == 2 and None not in med else ""
-        print(f"{name:28s} " + " ".join(f"{v:22.1f}" if v is not None else f"{'-':>22s}" for v in med) + ratio)
+        print(
+            f"{name:28s} "
+            + " ".join(f"{v:22.1f}" if v is not None else f"{'-':>22s}" for v in med)
+            + ratio
+        )
 
 
 if __name__ == "__main__":

@@ -27,16 +27,23 @@ from _env import against_cp, timed  # noqa: E402  (_env imports torch only insid
 POOL_BYTES = 64 << 20  # distinct random bytes; tensors are cut from it at varying offsets
 
 
-def tensor_list(layers: int, experts: int, h: int, i: int) -> list[tuple[str, str, tuple[int, ...]]]:
+def tensor_list(
+    layers: int, experts: int, h: int, i: int
+) -> list[tuple[str, str, tuple[int, ...]]]:
     """(name, safetensors dtype, shape) of every tensor, in file order."""
     out = [("model.embed_tokens.weight", "BF16", (1024, h))]
     for layer in range(layers):
         p = f"model.layers.{layer}"
-        out += [(f"{p}.input_layernorm.weight", "BF16", (h,)), (f"{p}.mlp.gate.weight", "BF16", (experts, h))]
+        out += [
+            (f"{p}.input_layernorm.weight", "BF16", (h,)),
+            (f"{p}.mlp.gate.weight", "BF16", (experts, h)),
+        ]
         for e in range(experts):
             for proj, n, k in (("gate_proj", i, h), ("up_proj", i, h), ("down_proj", h, i)):
-                out += [(f"{p}.mlp.experts.{e}.{proj}.weight", "F8_E4M3", (n, k)),
-                        (f"{p}.mlp.experts.{e}.{proj}.weight_scale_inv", "U8", (n, k // 32))]
+                out += [
+                    (f"{p}.mlp.experts.{e}.{proj}.weight", "F8_E4M3", (n, k)),
+                    (f"{p}.mlp.experts.{e}.{proj}.weight_scale_inv", "U8", (n, k // 32)),
+                ]
     return out
 
 
@@ -53,15 +60,23 @@ def pools() -> dict[str, bytes]:
     gen = torch.Generator().manual_seed(0)
     w = torch.randint(0, 254, (POOL_BYTES,), generator=gen, dtype=torch.int16)
     w = (w + (w >= 0x7F).to(torch.int16)).to(torch.uint8)  # no 0x7F; 0xFF is never drawn
-    s = torch.randint(112, 128, (POOL_BYTES // 32,), generator=gen, dtype=torch.int16).to(torch.uint8)
+    s = torch.randint(112, 128, (POOL_BYTES // 32,), generator=gen, dtype=torch.int16).to(
+        torch.uint8
+    )
     b = (torch.randn(POOL_BYTES // 2, generator=gen) * 0.02).to(torch.bfloat16).view(torch.uint8)
     return {"F8_E4M3": w.numpy().tobytes(), "U8": s.numpy().tobytes(), "BF16": b.numpy().tobytes()}
 
 
-def write_shard(path: Path, entries: list[tuple[str, str, tuple[int, ...]]], data: dict[str, bytes]) -> None:
+def write_shard(
+    path: Path, entries: list[tuple[str, str, tuple[int, ...]]], data: dict[str, bytes]
+) -> None:
     header, pos = {"__metadata__": {"format": "pt"}}, 0
     for name, dtype, shape in entries:
-        header[name] = {"dtype": dtype, "shape": list(shape), "data_offsets": [pos, pos + nbytes(dtype, shape)]}
+        header[name] = {
+            "dtype": dtype,
+            "shape": list(shape),
+            "data_offsets": [pos, pos + nbytes(dtype, shape)],
+        }
         pos += nbytes(dtype, shape)
     raw = json.dumps(header, separators=(",", ":")).encode()
     raw += b" " * (-len(raw) % 8)
@@ -69,10 +84,12 @@ def write_shard(path: Path, entries: list[tuple[str, str, tuple[int, ...]]], dat
         f.write(struct.pack("<Q", len(raw)) + raw)
         for j, (_, dtype, shape) in enumerate(entries):
             n, pool = nbytes(dtype, shape), data[dtype]
-            start = (j * 4160) % (len(pool) // 2)  # a different cut for every tensor (even: bf16 stays aligned)
+            start = (j * 4160) % (
+                len(pool) // 2
+            )  # a different cut for every tensor (even: bf16 stays aligned)
             while n:
                 piece = min(n, len(pool) - start)
-                f.write(memoryview(pool)[start:start + piece])
+                f.write(memoryview(pool)[start : start + piece])
                 n, start = n - piece, 0
 
 
@@ -96,13 +113,30 @@ def make_source(root: Path, gb: float, experts: int, h: int, i: int) -> Path:
         fn = f"model-{j + 1:05d}-of-{shards:05d}.safetensors"
         write_shard(root / fn, group, data)
         weight_map.update({name: fn for name, _, _ in group})
-    (root / "model.safetensors.index.json").write_text(json.dumps(
-        {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}))
-    (root / "config.json").write_text(json.dumps({
-        "architectures": ["Qwen3MoeForCausalLM"], "model_type": "qwen3_moe", "hidden_size": h,
-        "num_hidden_layers": layers, "num_experts": experts, "moe_intermediate_size": i,
-        "quantization_config": {"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32],
-                                "scale_fmt": "ue8m0", "activation_scheme": "dynamic"}}))
+    (root / "model.safetensors.index.json").write_text(
+        json.dumps(
+            {"metadata": {"total_size": total}, "weight_map": dict(sorted(weight_map.items()))}
+        )
+    )
+    (root / "config.json").write_text(
+        json.dumps(
+            {
+                "architectures": ["Qwen3MoeForCausalLM"],
+                "model_type": "qwen3_moe",
+                "hidden_size": h,
+                "num_hidden_layers": layers,
+                "num_experts": experts,
+                "moe_intermediate_size": i,
+                "quantization_config": {
+                    "quant_method": "mxfp8",
+                    "fmt": "e4m3",
+                    "weight_block_size": [1, 32],
+                    "scale_fmt": "ue8m0",
+                    "activation_scheme": "dynamic",
+                },
+            }
+        )
+    )
     return root
 
 
@@ -114,8 +148,12 @@ def main() -> None:
     ap.add_argument("--hidden", type=int, default=2048)
     ap.add_argument("--intermediate", type=int, default=768)
     ap.add_argument("--experts", type=int, default=128)
-    ap.add_argument("--keep", action="store_true", help="also time --moe keep (experts left per-expert)")
-    ap.add_argument("--verify", action="store_true", help="verify the last trtllm output against the source")
+    ap.add_argument(
+        "--keep", action="store_true", help="also time --moe keep (experts left per-expert)"
+    )
+    ap.add_argument(
+        "--verify", action="store_true", help="verify the last trtllm output against the source"
+    )
     ap.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
     base = Path(args.dir)
@@ -123,17 +161,39 @@ def main() -> None:
         make_source(base / "src", args.gb, args.experts, args.hidden, args.intermediate)
         return
     here = Path(__file__).parent
-    banner = subprocess.run([sys.executable, "-c", "from _env import banner; print(banner())"], cwd=here,
-                            capture_output=True, text=True, check=True).stdout.strip()
+    banner = subprocess.run(
+        [sys.executable, "-c", "from _env import banner; print(banner())"],
+        cwd=here,
+        capture_output=True,
+        text=True,
+        check=True,
+    ).stdout.strip()
     print(banner)
     # made in a child so that this process stays small and cannot skew the RSS figures
-    subprocess.run([sys.executable, __file__, "--make-only", "--gb", str(args.gb), "--dir", args.dir,
-                    "--hidden", str(args.hidden), "--intermediate", str(args.intermediate),
-                    "--experts", str(args.experts)], check=True)
+    subprocess.run(
+        [
+            sys.executable,
+            __file__,
+            "--make-only",
+            "--gb",
+            str(args.gb),
+            "--dir",
+            args.dir,
+            "--hidden",
+            str(args.hidden),
+            "--intermediate",
+            str(args.intermediate),
+            "--experts",
+            str(args.experts),
+        ],
+        check=True,
+    )
     src = base / "src"
     shards = sorted(src.glob("*.safetensors"))
     size = sum(p.stat().st_size for p in shards)
-    subprocess.run(["cat", *map(str, shards)], stdout=subprocess.DEVNULL, check=True)  # warm the page cache
+    subprocess.run(
+        ["cat", *map(str, shards)], stdout=subprocess.DEVNULL, check=True
+    )  # warm the page cache
     # the floor: the converter plus torch, which the MoE fusion uses (MXFP8 layouts alone do not)
     _, idle = timed([sys.executable, "-c", "import torch, mxfp8_convert.convert"])
     convert = [sys.executable, "-m", "mxfp8_convert", str(src), "--backend", "trtllm", "--quiet"]
@@ -145,23 +205,42 @@ def main() -> None:
     if args.verify:
         shutil.rmtree(dst, ignore_errors=True)
         subprocess.run([*convert, "-o", str(dst)], check=True)
-        t, _ = timed([sys.executable, "-m", "mxfp8_convert", "verify", str(dst), "--source", str(src), "--quiet"])
+        t, _ = timed(
+            [
+                sys.executable,
+                "-m",
+                "mxfp8_convert",
+                "verify",
+                str(dst),
+                "--source",
+                str(src),
+                "--quiet",
+            ]
+        )
         print(f"verify --source: OK in {t:.1f} s")
     shutil.rmtree(dst, ignore_errors=True)
 
     cfg = json.loads((src / "config.json").read_text())
     h, i, e = args.hidden, args.intermediate, args.experts
-    print(f"peak RSS of a process that only imports the converter and torch: {idle / 2**20:.0f} MiB; "
-          f"this process: {_self_rss() / 2**20:.0f} MiB")
-    print(f"source: {size / 1e9:.2f} GB in {len(shards)} shards, {cfg['num_hidden_layers']} MoE layers of "
-          f"E={e}, H={h}, I={i} (one expert {3 * h * i / 2**20:.1f} MiB, one layer's experts "
-          f"{e * 3 * h * i / 2**20:.0f} MiB of e4m3); median of {args.repeat} interleaved runs")
+    print(
+        f"peak RSS of a process that only imports the converter and torch: {idle / 2**20:.0f} MiB; "
+        f"this process: {_self_rss() / 2**20:.0f} MiB"
+    )
+    print(
+        f"source: {size / 1e9:.2f} GB in {len(shards)} shards, "
+        f"{cfg['num_hidden_layers']} MoE layers of "
+        f"E={e}, H={h}, I={i} (one expert {3 * h * i / 2**20:.1f} MiB, one layer's experts "
+        f"{e * 3 * h * i / 2**20:.0f} MiB of e4m3); median of {args.repeat} interleaved runs"
+    )
     base_t = statistics.median(times["cp -r + sync"])
     for name, ts in times.items():
         t = statistics.median(ts)
         extra = f"  peak RSS {rss[name] / 2**20:.0f} MiB" if name in rss else ""
-        print(f"{name:34s} {t:7.2f} s  {size / t / 1e9:5.2f} GB/s  speed vs cp+sync {base_t / t:4.2f}x{extra}"
-              f"  (runs: {', '.join(f'{x:.2f}' for x in ts)})")
+        print(
+            f"{name:34s} {t:7.2f} s  {size / t / 1e9:5.2f} GB/s  "
+            f"speed vs cp+sync {base_t / t:4.2f}x{extra}"
+            f"  (runs: {', '.join(f'{x:.2f}' for x in ts)})"
+        )
 
 
 def _self_rss() -> int:

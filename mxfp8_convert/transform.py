@@ -3,7 +3,7 @@ flashinfer.
 
 ``ShardTransform`` produces an output shard's tensors one after the other and hands their bytes
 to a sink (``write.ShardWriter``): unchanged bytes straight from the source mapping, P32 rows
-of 8 KiB or more as row copies from it, narrower rows shuffled in a pooled buffer, and modules
+from it too, with the shuffle for the sink to do block by block in its one pass, and modules
 whose canonical bytes must be computed (laid-out, FP8 and dense sources, fused MoE experts) one
 module at a time. The weight is laid out in row chunks (P32 moves rows only within 32-row
 blocks, so any chunk of a multiple of 32 rows is laid out on its own), which keeps memory
@@ -25,7 +25,7 @@ from mxfp8_convert.backends import BACKENDS, BackendSpec
 from mxfp8_convert.dtypes import torch_dtype
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.format import CANONICAL_LAYOUT, LAYOUTS
-from mxfp8_convert.layouts import p32_row_order, p32_shuffle_rows, p32_shuffle_rows_array
+from mxfp8_convert.layouts import p32_shuffle_rows, p32_shuffle_rows_array
 from mxfp8_convert.layouts.moe import (
     moe_fc1_scale_from_canonical,
     moe_fc1_scale_to_canonical,
@@ -47,28 +47,27 @@ if TYPE_CHECKING:
 CHUNK_BYTES = 32 << 20
 #: chunks queued for the writer thread while the next one is read and laid out
 PIPELINE_DEPTH = 2
-#: P32 rows at least this long are written straight from the source mapping by vectored writes
-#: (ShardWriter.copy_rows) rather than shuffled in memory and written (BENCHMARKS.md)
-ROW_COPY_MIN_BYTES = 8192
 E4M3_NAN_BYTES = bytes([0x7F, 0xFF])
 
 _P32_ROWS, _IDENTITY = LAYOUTS["trtllm"].weight, LAYOUTS["cutlass"].weight
 
 #: ``scan(piece, at)``: checks the bytes ``piece`` found at offset ``at`` of the data written
 Scan = Callable[[memoryview, int], None]
+#: ``lay_out(piece, out)``: ``piece``'s bytes laid out into ``out`` (same size), returned
+LayOut = Callable[[memoryview, np.ndarray], np.ndarray]
 
 
 class Sink(Protocol):
     """Where ``ShardTransform`` puts a shard's bytes, in order (``write.ShardWriter``).
 
     ``release(data)`` is called once the sink is done with ``data``; ``scan`` checks every
-    piece and ``source`` (a hasher) hashes it, in the sink's one pass over the bytes.
+    piece and ``source`` (a hasher) hashes it, in source order; ``lay_out(piece, out)`` gives
+    the bytes to write for each piece of ``granule`` bytes, laid out into ``out`` (all in the
+    sink's one pass over the bytes).
     """
 
-    def write(self, data, release=None, *, scan: Scan | None = None, source=None) -> None: ...
-
-    def copy_rows(self, row_bytes: int, order: list[int], view, release=None, *,
-                  group: int = 32, scan: Scan | None = None, source=None) -> None: ...
+    def write(self, data, release=None, *, scan: Scan | None = None, source=None,
+              lay_out: LayOut | None = None, granule: int = 1) -> None: ...
 
 
 class ShardTransform:
@@ -174,22 +173,11 @@ class ShardTransform:
             return
         reader = self.reader(info)
         source = self._source_hasher(info)
-        row_bytes = t.shape[1]
+        lay_out = p32_rows(t.shape[1])
         for begin, n in chunk_ranges(info, granule=granule, chunk_bytes=CHUNK_BYTES):
-            if t.layout == _P32_ROWS and row_bytes >= ROW_COPY_MIN_BYTES:
-                order = p32_row_order(n // row_bytes)  # output row p <- source row order[p]
-                sink.copy_rows(row_bytes, order, reader.bytes(begin, n),
-                               lambda _, b=begin, k=n: reader.drop(b, k),
-                               group=P32_BLOCK, scan=nan_scan(info, begin), source=source)
-            else:  # narrow rows: checked, hashed and shuffled in memory, with numpy (no torch)
-                nan_scan(info, begin)(reader.bytes(begin, n), 0)
-                if source is not None:
-                    source.update(reader.bytes(begin, n))
-                rows = np.frombuffer(reader.bytes(begin, n), dtype=np.uint8).reshape(-1, row_bytes)
-                laid = p32_shuffle_rows_array(rows, self.pool.get(n))
-                del rows
-                reader.drop(begin, n)
-                sink.write(laid, self.pool.release)
+            sink.write(reader.bytes(begin, n), lambda _, b=begin, k=n: reader.drop(b, k),
+                       scan=nan_scan(info, begin), source=source, lay_out=lay_out,
+                       granule=granule)
             yield n
 
     def _mxfp8_scale(self, t: TensorPlan, info: TensorInfo, sink: Sink) -> Iterator[int]:
@@ -286,6 +274,14 @@ class ShardTransform:
         _, s = self._canonical(m)
         self.pending.pop(m.name)
         return s
+
+
+def p32_rows(row_bytes: int) -> LayOut:
+    """A ``Sink`` layout: P32-shuffle pieces of whole 32-row blocks of ``row_bytes``-byte rows."""
+    def lay_out(piece: memoryview, out: np.ndarray) -> np.ndarray:
+        rows = np.frombuffer(piece, dtype=np.uint8).reshape(-1, row_bytes)
+        return p32_shuffle_rows_array(rows, out)
+    return lay_out
 
 
 def nan_scan(info: TensorInfo, begin: int) -> Scan:
@@ -493,10 +489,10 @@ def check_scale_codes(s: torch.Tensor | np.ndarray, name: str) -> None:
 
     ``s`` may be a tensor or a numpy uint8 array (the converter's torch-free path).
     """
-    if isinstance(s, np.ndarray):
-        bad = s == 255
-        if bad.any():
-            idx = [int(i) for i in np.unravel_index(int(bad.argmax()), s.shape)]
+    if isinstance(s, np.ndarray):  # memchr: no boolean array of the scale's size
+        hit = find_bytes(np.ascontiguousarray(s).reshape(-1), b"\xff")
+        if hit >= 0:
+            idx = [int(i) for i in np.unravel_index(hit, s.shape)]
             raise LayoutError(f"scale {name!r} holds NaN (UE8M0 byte 255) at {idx}")
         return
     bad = s.view(torch.uint8) == 255

@@ -26,6 +26,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+import numpy as np
 import xxhash
 
 from mxfp8_convert._lazy import torch, torch_loaded
@@ -40,15 +41,13 @@ from mxfp8_convert.format import (  # noqa: F401 - re-exported
 )
 from mxfp8_convert.format import PARTIAL_MANIFEST as MANIFEST_NAME
 
-#: bytes per write() / writev(), and per step of the one pass over each chunk (scan, hashes,
+#: bytes per write(), and per step of the one pass over each chunk (scan, hashes, layout,
 #: write): 256 KiB writes ran 2-5x faster than 32 MiB ones on ext4 here (the piece is still in
 #: the CPU cache when the kernel copies it); BENCHMARKS.md
 WRITE_PIECE = 256 << 10
 #: writes smaller than this are copied into one buffer and written together: a thread hand-off
 #: per small tensor cost ~0.2 ms, which dominated checkpoints of many small tensors
 COALESCE_BYTES = 1 << 20
-#: iovecs per writev() (Linux's IOV_MAX)
-_IOV_MAX = 1024
 #: every this many bytes written, the last window's pages are handed to writeback and the
 #: window before it (written back by then) dropped from the page cache (``ShardWriter._let_go``)
 WRITEBACK_BYTES = 32 << 20
@@ -87,6 +86,8 @@ def os_error(path: Path, e: OSError) -> OutputError:
 #: ``scan(piece, at)``: checks the bytes ``piece`` found at offset ``at`` of the data written;
 #: raises to refuse them (e.g. an e4m3 NaN). ``source``: a hasher (``update``) of those bytes.
 Scan = Callable[[memoryview, int], None]
+#: ``lay_out(piece, out)``: the bytes to write for ``piece``, laid out into ``out`` (ShardWriter)
+LayOut = Callable[[memoryview, "np.ndarray"], "np.ndarray"]
 
 
 class ShardWriter:
@@ -96,11 +97,12 @@ class ShardWriter:
     checks that and returns ``(size, xxh3_128 hex)`` of the file.
 
     Each queued chunk gets one pass on the writer thread, ``WRITE_PIECE`` bytes at a time while
-    the piece is in the CPU cache: the optional check (``scan``) and source hash, the output
-    hash, the write. (Three passes on three threads, each over the chunk from memory, cost more
-    CPU than the one pass: BENCHMARKS.md.) The caller reads and lays out the next chunk
-    meanwhile; at most ``depth`` chunks wait, bounding memory. Small writes are gathered and
-    handled on the caller's thread, which a hand-off would cost more than.
+    the piece is in the CPU cache: the optional check (``scan``) and source hash, the layout
+    (``lay_out``, e.g. a row shuffle into a scratch buffer), the output hash, the write.
+    (Three passes on three threads, each over the chunk from memory, cost more CPU than the one
+    pass: BENCHMARKS.md.) The caller reads and lays out the next chunk meanwhile; at most
+    ``depth`` chunks wait, bounding memory. Small writes are gathered and handled on the
+    caller's thread, which a hand-off would cost more than.
     """
 
     def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...], int]],
@@ -121,11 +123,11 @@ class ShardWriter:
         self._pending: deque = deque()
         self._depth = depth
         self._small = bytearray()  # gathered small writes, not yet handed to the writer thread
+        self._scratch: np.ndarray | None = None  # laid-out bytes of one block (writer thread)
         self._on_disk = 0  # bytes written to the file (writer thread only)
         self._windows = (0, 0)  # starts of the last two windows handed to writeback (same)
         self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-flush")
         try:
-            # raw: write() and os.writev() share the offset
             self._f = open(create_file(path, mode), "wb", buffering=0)
         except OSError as e:
             raise os_error(path, e) from None
@@ -176,67 +178,51 @@ class ShardWriter:
         except (AttributeError, OSError, ValueError):
             pass
 
-    def _one_pass(self, mv: memoryview, scan: Scan | None, source) -> None:
-        for at in range(0, mv.nbytes, WRITE_PIECE):
-            piece = mv[at:at + WRITE_PIECE]
+    def _one_pass(self, mv: memoryview, scan: Scan | None, source, lay_out: LayOut | None = None,
+                  granule: int = 1) -> None:
+        """Each block of ``mv`` while it is in the CPU cache: checked and hashed in source order,
+        laid out (``lay_out``) into a scratch buffer, hashed in file order and written."""
+        step = max(granule, WRITE_PIECE // granule * granule)
+        for at in range(0, mv.nbytes, step):
+            piece = mv[at:at + step]
             if scan is not None:
                 scan(piece, at)
             if source is not None:
                 source.update(piece)
+            if lay_out is not None:
+                piece = memoryview(lay_out(piece, self._scratch_for(piece.nbytes))).cast("B")
             self._hash.update(piece)
             self._write_all(piece)
             self._wrote(piece.nbytes)
 
-    def _rows_pass(self, mv: memoryview, row_bytes: int, order: list[int], group: int,
-                   scan: Scan | None, source) -> None:
-        """``_one_pass`` for a row permutation within blocks of ``group`` rows: each block's
-        source bytes are checked and hashed in source order, then its rows written in ``order``."""
-        fd = self._f.fileno()
-        per_call = max(1, min(_IOV_MAX, WRITE_PIECE // row_bytes))
-        for b0 in range(0, len(order), group):
-            block = mv[b0 * row_bytes:(b0 + group) * row_bytes]
-            if scan is not None:
-                scan(block, b0 * row_bytes)
-            if source is not None:
-                source.update(block)
-            for i in range(b0, min(b0 + group, len(order)), per_call):
-                rows = [mv[r * row_bytes:(r + 1) * row_bytes]
-                        for r in order[i:min(i + per_call, b0 + group)]]
-                for piece in rows:
-                    self._hash.update(piece)
-                got = os.writev(fd, rows)
-                for piece in rows:  # after a short write: the rest, plainly
-                    if got < piece.nbytes:
-                        self._write_all(piece[got:])
-                    got = max(0, got - piece.nbytes)
-            self._wrote(block.nbytes)
+    def _scratch_for(self, n: int) -> np.ndarray:
+        if self._scratch is None or self._scratch.size < n:
+            self._scratch = np.empty(n, dtype=np.uint8)
+        return self._scratch[:n]
 
-    def copy_rows(self, row_bytes: int, order: list[int], view, release=None, *,
-                  group: int = 32, scan: Scan | None = None, source=None) -> None:
-        """Queue the rows of ``view`` (``row_bytes`` each) in the given order.
-
-        ``order`` permutes rows within consecutive blocks of ``group`` rows (the P32 shuffle):
-        written straight from the source mapping with vectored writes of ``WRITE_PIECE`` bytes,
-        no shuffled copy in memory. On this project's machine 2-3x faster than one
-        copy_file_range per row for 8 KiB rows. ``scan`` and ``source`` see the bytes in their
-        source order.
-        """
-        mv = _as_memoryview(view)
-        self._flush_small()
-        self._enqueue(self._writer.submit(self._rows_pass, mv, row_bytes, order, group, scan,
-                                          source),
-                      mv, view, release)
-
-    def write(self, data, release=None, *, scan: Scan | None = None, source=None) -> None:
+    def write(self, data, release=None, *, scan: Scan | None = None, source=None,
+              lay_out: LayOut | None = None, granule: int = 1) -> None:
         """Queue ``data`` to be appended to the file; ``release(data)`` is called once written
         (or copied). The caller must not modify ``data`` until then. ``scan(piece, at)`` checks
-        every piece first, ``source.update(piece)`` hashes it."""
+        every piece first, ``source.update(piece)`` hashes it.
+
+        ``lay_out(piece, out)``: the bytes to write for ``piece`` (a multiple of ``granule``
+        bytes of ``data``, e.g. 32 weight rows), laid out into ``out`` (a uint8 array of the same
+        size) and returned. So a row shuffle costs one copy between two cache-resident buffers,
+        in the same pass as the check, the hashes and the write: ``data`` may be the source
+        mapping itself, and no shuffled copy of a chunk is made.
+        """
         mv = _as_memoryview(data)
+        if mv.nbytes % granule:
+            raise OutputError(f"{self.path}: {mv.nbytes} bytes is not a multiple of the layout's "
+                              f"{granule} (bug)")
         if mv.nbytes < COALESCE_BYTES:  # gathered: the caller's thread does the one pass
             if scan is not None:
                 scan(mv, 0)
             if source is not None:
                 source.update(mv)
+            if lay_out is not None:
+                mv = memoryview(lay_out(mv, np.empty(mv.nbytes, dtype=np.uint8))).cast("B")
             self._small += mv
             self._count(mv.nbytes)
             if release is not None:
@@ -245,7 +231,8 @@ class ShardWriter:
                 self._flush_small()
             return
         self._flush_small()
-        self._enqueue(self._writer.submit(self._one_pass, mv, scan, source), mv, data, release)
+        job = self._writer.submit(self._one_pass, mv, scan, source, lay_out, granule)
+        self._enqueue(job, mv, data, release)
 
     def _flush_small(self) -> None:
         if self._small:

@@ -156,47 +156,77 @@ def test_default_output_is_beside_the_model(sources):
     assert default_output(str(src), "trtllm") == src.resolve().parent / f"{src.name}-trtllm"
 
 
+class _ShortWrites:
+    """A raw output file whose write() takes at most 100,000 bytes at a time (POSIX allows a
+    short write; the writer must write the rest)."""
+
+    def __init__(self, f) -> None:
+        self._f = f
+
+    def write(self, data) -> int:
+        return self._f.write(memoryview(data).cast("B")[:100_000])
+
+    def __getattr__(self, name):
+        return getattr(self._f, name)
+
+
 @pytest.mark.parametrize("short", [False, True], ids=["whole-writes", "short-writes"])
-def test_wide_rows_are_shuffled_by_vectored_writes(tmp_path, monkeypatch, short):
-    """Rows of >= 8 KiB are P32-shuffled by writev() straight from the source mapping, the file
-    hashed on its own thread; a writev() that writes only part (allowed by POSIX) is completed
-    with plain writes, giving the same bytes and hash."""
-    import os
-
+@pytest.mark.parametrize("n, k", [(160, 8192), (128, 32768), (8192, 256), (160, 256)],
+                         ids=["8KiB-rows", "32KiB-rows", "narrow-rows", "small-tensor"])
+def test_rows_are_shuffled_in_the_writers_one_pass(tmp_path, monkeypatch, short, n, k):
+    """P32 rows of any width are shuffled block by block in the writer's pass straight from the
+    source mapping (large tensors on the writer thread, small ones gathered): the bytes are
+    torch's p32_shuffle_rows of the source and the marker's hash that of the file, also when
+    every write() is short."""
+    import mxfp8_convert.write as write_mod
     from mxfp8_convert.layouts import p32_shuffle_rows
-    from mxfp8_convert.transform import ROW_COPY_MIN_BYTES
 
-    real_writev, calls = os.writev, []
+    if short:
+        real_open = open
 
-    def writev(fd, buffers):
-        calls.append(len(buffers))
-        if short:  # the first buffer and a half, at most
-            first = memoryview(buffers[0])
-            if len(buffers) > 1:
-                return real_writev(fd, [first, memoryview(buffers[1])[:len(buffers[1]) // 2]])
-            return real_writev(fd, [first[:-1]])
-        return real_writev(fd, buffers)
+        def short_open(file, mode="r", buffering=-1, *args, **kwargs):  # the shards' raw files
+            f = real_open(file, mode, buffering, *args, **kwargs)
+            return _ShortWrites(f) if buffering == 0 else f
 
-    monkeypatch.setattr(os, "writev", writev)
+        monkeypatch.setattr(write_mod, "open", short_open, raising=False)
     module = "model.layers.0.mlp.wide_proj"
     spec = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256,
-                     extra_modules=((module, 160, ROW_COPY_MIN_BYTES),))
+                     extra_modules=((module, n, k),))
     src = write_checkpoint(tmp_path / "src", spec)
     convert(src, "trtllm", tmp_path / "out")
     got, _ = load_all(tmp_path / "out")
     want, _ = load_all(src)
-    w = f"{module}.weight"
-    assert torch.equal(got[w].view(torch.uint8), p32_shuffle_rows(want[w].view(torch.uint8)))
+    for name, t in want.items():
+        if name.endswith(".weight") and t.dtype == torch.float8_e4m3fn:
+            shuffled = p32_shuffle_rows(t.view(torch.uint8))
+            assert torch.equal(got[name].view(torch.uint8), shuffled), name
     done = json.loads((tmp_path / "out" / COMPLETE_MARKER).read_text())
-    shard = next(f for f in done["files"]
-                 if f.endswith(".safetensors") and w in load_all_shard(tmp_path / "out" / f))
-    assert done["files"][shard]["xxh3_128"] == xxh(tmp_path / "out" / shard)
-    assert calls and max(calls) > 1  # rows went out several per call
+    for f, rec in done["files"].items():
+        assert rec["xxh3_128"] == xxh(tmp_path / "out" / f), f
+
+
+def test_a_nan_is_named_by_its_source_row_and_column(tmp_path):
+    """A NaN in a P32-shuffled weight is reported at its [row, col] in the source (the check
+    runs on the source bytes, before the shuffle), in any block of the tensor."""
+    from safetensors.torch import load_file, save_file
+
+    from mxfp8_convert.errors import LayoutError
+
+    src = _wide_mxfp8(tmp_path / "src", 8192)
+    path = src / "model.safetensors"
+    tensors = load_file(str(path))
+    w = tensors["model.layers.0.mlp.down_proj.weight"].view(torch.uint8).clone()
+    w[77, 4321] = 0x7F
+    w[100, 5] = 0xFF  # a later one: the first in source order is named
+    tensors["model.layers.0.mlp.down_proj.weight"] = w.view(torch.float8_e4m3fn)
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(LayoutError, match=r"down_proj.weight' holds NaN .* at \[77, 4321\]"):
+        convert(src, "trtllm", tmp_path / "out")
+    assert leftovers(tmp_path) == [] and not (tmp_path / "out").exists()
 
 
 def _wide_mxfp8(root, k=8192):
-    """An SGLang MXFP8 model whose one linear has ``k``-byte rows (8 KiB: written by row copies;
-    narrower: shuffled in memory)."""
+    """An SGLang MXFP8 model whose one linear has ``k``-byte rows."""
     from safetensors.torch import save_file
 
     root.mkdir()
@@ -215,12 +245,11 @@ def _wide_mxfp8(root, k=8192):
     return root
 
 
-@pytest.mark.parametrize("k", [8192, 256], ids=["row-copies", "narrow-rows"])
+@pytest.mark.parametrize("k", [8192, 256], ids=["wide-rows", "narrow-rows"])
 @pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
 def test_mxfp8_conversion_never_imports_torch(tmp_path, backend, k):
-    """Laying MXFP8 out only moves bytes: torch (seconds to import) stays unloaded, whether
-    trtllm's rows are written by row copies or (narrower than 8 KiB) shuffled in memory, and
-    the output equals the torch layouts'."""
+    """Laying MXFP8 out only moves bytes: torch (seconds to import) stays unloaded for wide and
+    narrow trtllm rows alike, and the output equals the torch layouts'."""
     import subprocess
     import sys
 
@@ -310,3 +339,25 @@ def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path
     a = json.loads((tmp_path / "plain" / COMPLETE_MARKER).read_text())["files"]
     b = json.loads((tmp_path / "advised" / COMPLETE_MARKER).read_text())["files"]
     assert a == b and b[shard]["xxh3_128"] == xxh(tmp_path / "advised" / shard)
+
+
+@pytest.mark.parametrize("backend", ["trtllm", "cutlass", "canonical"])
+def test_a_nan_scale_is_named_by_its_position(tmp_path, backend):
+    """UE8M0 byte 255 in an MXFP8 source scale (checked with memchr on the mapped bytes) is
+    refused, naming the scale and its first [row, col]."""
+    from safetensors.torch import load_file, save_file
+
+    from mxfp8_convert.errors import LayoutError
+
+    src = _wide_mxfp8(tmp_path / "src", 8192)
+    path = src / "model.safetensors"
+    tensors = load_file(str(path))
+    name = "model.layers.0.mlp.down_proj.weight_scale_inv"
+    s = tensors[name].clone()
+    s[90, 200] = 255
+    s[91, 3] = 255
+    tensors[name] = s
+    save_file(tensors, str(path), metadata={"format": "pt"})
+    with pytest.raises(LayoutError, match=r"weight_scale_inv' holds NaN \(UE8M0 byte 255\) "
+                                          r"at \[90, 200\]"):
+        convert(src, backend, tmp_path / "out")

@@ -72,9 +72,26 @@ def trtllm_scale_from_canonical_array(s: np.ndarray) -> np.ndarray:
     n, c = s.shape
     if n % 32:
         raise LayoutError(f"trtllm weight scale needs N % 32 == 0 (P32 row shuffle), got N={n}")
+    if n % 128 == 0 and c % 4 == 0:  # nothing to pad: P32 and 128x4 as one copy
+        return _p32_swizzled_array(s)
     padded = np.zeros((ceil_to(n, 128), c), dtype=np.uint8)
     padded[:n] = s
     return swizzle_128x4_array(p32_shuffle_rows_array(padded))
+
+
+def _p32_swizzled_array(s: np.ndarray) -> np.ndarray:
+    """``swizzle_128x4_array(p32_shuffle_rows_array(s))`` for ``N % 128 == 0``, ``C % 4 == 0``,
+    in one copy instead of two.
+
+    Rows ``r = 128t + 32q + 8a + c`` (``q, a < 4``, ``c < 8``) of the P32-shuffled scale hold
+    source row ``128t + 32q + 4c + a``; the swizzle puts the 4-byte word ``w`` of row ``r``
+    at tile ``(t, w)``, position ``(r % 32) * 4 + q``. With the source viewed as words
+    ``[t, q, c, a, w]``, the tiles are its axes in the order ``(t, w, a, c, q)``.
+    """
+    n, c = s.shape
+    words = np.ascontiguousarray(s, dtype=np.uint8).view(np.int32)
+    tiles = words.reshape(n // 128, 4, 8, 4, c // 4).transpose(0, 4, 3, 2, 1).copy()
+    return tiles.view(np.uint8).reshape(n // 128, c // 4, 512)
 
 
 def trtllm_scale_to_canonical(t: torch.Tensor, rows: int, cols: int) -> torch.Tensor:

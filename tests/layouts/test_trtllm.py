@@ -319,3 +319,18 @@ def test_array_inverse_is_exact_and_equals_torch(n, c, seed):
     noise = rng.integers(0, 256, trtllm_scale_shape(n, c), dtype=np.uint8)
     want = trtllm_scale_to_canonical(torch.from_numpy(noise.copy()), n, c).numpy()
     assert np.array_equal(trtllm_scale_to_canonical_array(noise, n, c), want)
+
+
+@pytest.mark.parametrize("n, c", [(128, 4), (256, 8), (512, 32), (16384, 1024), (128, 36)])
+def test_array_of_aligned_shapes_equals_torch(n, c):
+    """Shapes with nothing to pad take the one-copy path: the bytes of the torch layout, also
+    from a view at an odd offset (a scale inside the source mapping)."""
+    import numpy as np
+
+    from mxfp8_convert.layouts import trtllm_scale_from_canonical_array
+
+    raw = np.random.default_rng(n + c).integers(0, 256, n * c + 1, dtype=np.uint8)
+    s = raw[1:].reshape(n, c)
+    want = trtllm_scale_from_canonical(torch.from_numpy(s.copy())).numpy()
+    got = trtllm_scale_from_canonical_array(s)
+    assert got.shape == want.shape and got.tobytes() == want.tobytes()
