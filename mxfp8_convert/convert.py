@@ -23,6 +23,7 @@ from mxfp8_convert.errors import ConvertError, DiskFullError
 from mxfp8_convert.format import FORMAT_VERSION, file_record
 from mxfp8_convert.parts import finalize, part_shards
 from mxfp8_convert.plan import ConversionPlan, ShardPlan
+from mxfp8_convert.plan.shards import DEFAULT_MAX_SHARD_SIZE, shard_size_bytes
 from mxfp8_convert.read import (
     ShardReader,
     SourceCheckpoint,
@@ -83,6 +84,7 @@ def convert(
     quantize_towers: bool = False,
     allow_no_quantized: bool = False,
     progress: ProgressCallback | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> ConversionResult:
     """Convert a checkpoint to the layout of ``backend``.
 
@@ -111,6 +113,9 @@ def convert(
         allow_no_quantized: write a plain copy when no module would be converted (else that
             is an error).
         progress: callback receiving ``ProgressEvent``s.
+        max_shard_size: bound of an output shard, in bytes or as a size like ``"5GB"`` (as
+            transformers' ``save_pretrained``); shards are named and indexed as Hub
+            checkpoints are (docs/FORMAT.md section 1b).
 
     Returns:
         A ``ConversionResult``; the output folder exists only if the conversion completed.
@@ -125,7 +130,8 @@ def convert(
     ckpt, plan = plan_conversion(model, backend, source_format=source_format,
                                  on_ineligible=on_ineligible, ignore=ignore, revision=revision,
                                  moe=moe, quantize_towers=quantize_towers,
-                                 allow_no_quantized=allow_no_quantized, progress=progress)
+                                 allow_no_quantized=allow_no_quantized, progress=progress,
+                                 max_shard_size=max_shard_size)
     dest = Path(output) if output is not None else default_output(str(model), backend)
     # an existing output: a real run checks under the lock; a dry run writes nothing (it is noted)
     check_destination(dest, ckpt.root, overwrite=overwrite, part=None if part is None else part[0],
@@ -135,7 +141,8 @@ def convert(
     params = {"source_fingerprint": plan.fingerprint, "backend": backend, "format": plan.format,
               "on_ineligible": on_ineligible, "ignore": sorted(ignore or []),
               "tool_version": __version__, "format_version": FORMAT_VERSION, "moe": moe,
-              "quantize_towers": quantize_towers, "allow_no_quantized": allow_no_quantized}
+              "quantize_towers": quantize_towers, "allow_no_quantized": allow_no_quantized,
+              "max_shard_size": shard_size_bytes(max_shard_size)}
     shards = list(plan.shards)
     if part is not None:
         shards = part_shards(plan, part)

@@ -8,6 +8,7 @@ from pathlib import Path
 
 from mxfp8_convert.errors import ConvertError, OutputError
 from mxfp8_convert.plan import ConversionPlan, ShardPlan
+from mxfp8_convert.plan.shards import DEFAULT_MAX_SHARD_SIZE
 from mxfp8_convert.run import (
     ConversionResult,
     Modes,
@@ -67,7 +68,9 @@ def finalize(output: str | Path, *, source: str | Path | None = None,
                                      source_format=p["format"], on_ineligible=p["on_ineligible"],
                                      ignore=p["ignore"], moe=p.get("moe", "fuse"),
                                      quantize_towers=p.get("quantize_towers", False),
-                                     allow_no_quantized=p.get("allow_no_quantized", False))
+                                     allow_no_quantized=p.get("allow_no_quantized", False),
+                                     max_shard_size=p.get("max_shard_size",
+                                                          DEFAULT_MAX_SHARD_SIZE))
         if plan.fingerprint != p["source_fingerprint"]:
             raise OutputError(f"{ckpt.root}: not the source the parts were converted from "
                               "(fingerprint differs)")

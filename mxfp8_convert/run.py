@@ -30,6 +30,7 @@ from mxfp8_convert.format import (
 )
 from mxfp8_convert.formats import detect_source
 from mxfp8_convert.plan import ConversionPlan, ModulePlan, MoELayerPlan, ShardPlan, build_plan
+from mxfp8_convert.plan.shards import DEFAULT_MAX_SHARD_SIZE
 from mxfp8_convert.publish import CARD_NAME, write_model_card
 from mxfp8_convert.read import (
     ShardReader,
@@ -108,6 +109,7 @@ def plan_conversion(
     quantize_towers: bool = False,
     allow_no_quantized: bool = False,
     progress: ProgressCallback | None = None,
+    max_shard_size: int | str = DEFAULT_MAX_SHARD_SIZE,
 ) -> tuple[SourceCheckpoint, ConversionPlan]:
     """Open the source and build the plan (headers only). See ``plan.build_plan``."""
     emit = progress or (lambda e: None)
@@ -118,7 +120,8 @@ def plan_conversion(
     emit(ProgressEvent("planning"))
     fmt = detect_source(ckpt.config, ckpt.quant_files, ckpt.tensors, source_format)
     return ckpt, build_plan(ckpt, spec, fmt, on_ineligible=on_ineligible, ignore=ignore, moe=moe,
-                            quantize_towers=quantize_towers, allow_no_quantized=allow_no_quantized)
+                            quantize_towers=quantize_towers, allow_no_quantized=allow_no_quantized,
+                            max_shard_size=max_shard_size)
 
 
 def note_if_complete(staging: Staging, e: BaseException) -> None:
@@ -259,7 +262,7 @@ def json_files(ckpt: SourceCheckpoint, plan: ConversionPlan) -> dict[str, dict]:
     config = dict(ckpt.config or {})
     config["quantization_config"] = plan.marker
     out = {CONFIG_FILE: config}
-    if plan.indexed or len(plan.shards) > 1:
+    if len(plan.shards) > 1:  # as transformers: one shard is model.safetensors, unindexed
         meta = {"total_size": plan.nbytes}
         if is_marker(plan.marker):
             meta[META_MARKER] = plan.marker
@@ -270,10 +273,10 @@ def json_files(ckpt: SourceCheckpoint, plan: ConversionPlan) -> dict[str, dict]:
 
 def shard_metadata(ckpt: SourceCheckpoint, plan: ConversionPlan,
                    shard: ShardPlan) -> dict[str, str]:
-    """The ``__metadata__`` of an output shard: its source shard's, plus the marker and the
-    per-tensor layout records (none for a canonical output: plain MXFP8)."""
-    meta = {k: v for k, v in ckpt.shards[shard.name].metadata.items()
-            if not k.startswith(META_MARKER)}
+    """The ``__metadata__`` of an output shard: what it keeps of its source shards'
+    (``ShardPlan.metadata``), plus the marker and the per-tensor layout records (none for a
+    canonical output: plain MXFP8)."""
+    meta = {k: v for k, v in shard.metadata if not k.startswith(META_MARKER)}
     meta.setdefault("format", "pt")
     if not is_marker(plan.marker):
         return meta

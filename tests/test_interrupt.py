@@ -14,7 +14,7 @@ from dataclasses import replace
 
 import pytest
 
-from mxfp8_convert import convert
+from mxfp8_convert import convert as _convert
 from mxfp8_convert.errors import OutputError
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
 from mxfp8_convert.verify import verify
@@ -23,6 +23,12 @@ from tests.checkpoints import Stop, interrupt_after, tree_hashes
 SMALL = SynthSpec(layers=3, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=3)
 # big enough that a conversion spends a while writing: 6 shards, ~40 MB
 BIG = SynthSpec(layers=6, hidden=768, intermediate=2048, heads=8, kv_heads=4, vocab=1024, shards=6)
+#: output shards of at most 0.6 MB for SMALL (2.1 MB: 4 shards), 7 MB for BIG (6 shards)
+SMALL_SHARD, BIG_SHARD = 600_000, "7MB"
+
+
+def convert(*args, **kwargs):
+    return _convert(*args, max_shard_size=SMALL_SHARD, **kwargs)
 
 
 def partial(out):
@@ -37,7 +43,7 @@ def test_interrupted_run_resumes_keeping_finished_shards(tmp_path):
     assert not out.exists()
     manifest = json.loads((partial(out) / "mxfp8_convert.partial.json").read_text())
     finished = sorted(manifest["files"])
-    assert finished == ["model-00001-of-00003.safetensors"]
+    assert finished == ["model-00001-of-00004.safetensors"]
     before = os.stat(partial(out) / finished[0])
     r = convert(src, "trtllm", out)
     after = os.stat(out / finished[0])
@@ -52,7 +58,7 @@ def test_corrupt_finished_shard_is_redone(tmp_path):
     out = tmp_path / "out"
     with pytest.raises(Stop):
         convert(src, "cutlass", out, progress=interrupt_after(2))
-    shard = partial(out) / "model-00001-of-00003.safetensors"
+    shard = partial(out) / "model-00001-of-00004.safetensors"
     data = bytearray(shard.read_bytes())
     data[-1] ^= 0xFF
     shard.write_bytes(bytes(data))
@@ -97,7 +103,7 @@ def test_second_concurrent_run_is_refused(tmp_path):
 
 def _cli(src, out, *extra):
     return [sys.executable, "-m", "mxfp8_convert", str(src), "--backend", "trtllm", "-o", str(out),
-            "--quiet", *extra]
+            "--quiet", "--max-shard-size", BIG_SHARD, *extra]
 
 
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])

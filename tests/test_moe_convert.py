@@ -133,7 +133,7 @@ def test_fused_bytes_equal_flashinfer_per_expert(sources, tmp_path, same_bytes, 
 
 def test_records_marker_and_placement(sources, tmp_path):
     src, spec = sources["sglang_mxfp8"]
-    convert(src, "trtllm", tmp_path / "out")
+    result = convert(src, "trtllm", tmp_path / "out", max_shard_size=200_000)
     m = marker(tmp_path / "out")["moe"]
     assert m["layout"] == MOE_LAYOUT and m["layers"] == list(BLOCKS)
     assert m["experts_suffixes"] == {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -144,9 +144,12 @@ def test_records_marker_and_placement(sources, tmp_path):
     experts = "model.layers.0.mlp.experts"
     assert src_map[f"{experts}.0.gate_proj.weight"] != src_map[f"{experts}.1.up_proj.weight"], (
         "the fixture must spread an expert over shards")
-    for block in BLOCKS:
-        shard = src_map[f"{block}.0.gate_proj.weight"]
-        assert {out_map[f"{block}.{s}"] for s in FUSED} == {shard}
+    assert len(set(out_map.values())) > 2
+    shards = {layer.name: layer.shard for layer in result.plan.moe}
+    for block in BLOCKS:  # each fused weight beside its scale; the plan says where FC1 went
+        assert out_map[f"{block}.w13_weight"] == out_map[f"{block}.w13_weight_scale_swizzled"]
+        assert out_map[f"{block}.w2_weight"] == out_map[f"{block}.w2_weight_scale_swizzled"]
+        assert shards[block] == out_map[f"{block}.w13_weight"]
     _, meta = load_all(tmp_path / "out")
     records = {k: v for shard in meta.values()
                for k, v in json.loads(shard["mxfp8_convert.tensors"]).items()}

@@ -7,8 +7,8 @@ import json
 import pytest
 import torch
 
-from mxfp8_convert import convert
-from mxfp8_convert.cli import main
+from mxfp8_convert import convert as _convert
+from mxfp8_convert.cli import main as _main
 from mxfp8_convert.convert import finalize
 from mxfp8_convert.errors import ConvertError, OutputError
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
@@ -16,6 +16,16 @@ from mxfp8_convert.verify import verify
 from tests.checkpoints import load_all
 
 SPEC = SynthSpec(layers=4, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=4)
+#: output shards of at most 0.8 MB: 4 of them (2.7 MB in all), as the source has
+SHARD = 800_000
+
+
+def convert(*args, **kwargs):
+    return _convert(*args, max_shard_size=SHARD, **kwargs)
+
+
+def main(argv: list[str]) -> int:
+    return _main([*argv, "--max-shard-size", str(SHARD)] if argv[0] != "finalize" else argv)
 
 
 @pytest.fixture()
@@ -110,7 +120,8 @@ def test_max_memory_limits_workers(src, tmp_path):
     from mxfp8_convert.read import open_checkpoint
 
     ckpt = open_checkpoint(src)
-    plan = build_plan(ckpt, BACKENDS["trtllm"], detect(ckpt.config, None, set(ckpt.tensors)))
+    plan = build_plan(ckpt, BACKENDS["trtllm"], detect(ckpt.config, None, set(ckpt.tensors)),
+                      max_shard_size=SHARD)
     assert _workers(plan, 8, None) == 4  # no more workers than shards
     assert _workers(plan, 8, 2 * WORKER_BASE_BYTES) == 2
     with pytest.raises(ConvertError, match="--max-memory .* is below what one worker needs"):

@@ -17,13 +17,20 @@ from pathlib import Path
 
 import pytest
 
-from mxfp8_convert import convert
+from mxfp8_convert import convert as _convert
+from mxfp8_convert.convert import plan_conversion
 from mxfp8_convert.run import SourceProof
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
 from tests.checkpoints import tree_hashes
 
 SPEC = SynthSpec(layers=3, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=3)
-FIRST = "model-00001-of-00003.safetensors"
+#: output shards of about 0.6 MB: 4 of them (the source's 3 shards are 0.6-0.7 MB each)
+SHARD = 600_000
+FIRST = "model-00001-of-00004.safetensors"  # the first output shard
+
+
+def convert(*args, **kwargs):
+    return _convert(*args, max_shard_size=SHARD, **kwargs)
 
 
 class Stop(KeyboardInterrupt):
@@ -57,9 +64,12 @@ def _rewrite_byte_keeping_mtime(path: Path, at: int) -> None:
     assert os.stat(path).st_size == st.st_size and os.stat(path).st_mtime_ns == st.st_mtime_ns
 
 
-def _first_shard_tensor(src: Path, suffix: str) -> str:
-    index = json.loads((src / "model.safetensors.index.json").read_text())["weight_map"]
-    return next(k for k, f in sorted(index.items()) if f == FIRST and k.endswith(suffix))
+def _first_shard_tensor(src: Path, suffix: str, backend: str = "trtllm") -> tuple[Path, str]:
+    """A source tensor (its file and name) whose bytes go into the first output shard."""
+    ckpt, plan = plan_conversion(src, backend, max_shard_size=SHARD)
+    assert plan.shards[0].name == FIRST
+    name = sorted(t.source for t in plan.shards[0].tensors if t.source.endswith(suffix))[0]
+    return src / ckpt.tensors[name].file, name
 
 
 @pytest.mark.parametrize(("dialect", "backend", "suffix"), [
@@ -74,9 +84,9 @@ def test_resume_redoes_a_shard_whose_source_bytes_changed(tmp_path, dialect, bac
     with pytest.raises(Stop):
         convert(src, backend, out, progress=_interrupt_after_first_shard)
     assert FIRST in json.loads((_partial(out) / "mxfp8_convert.partial.json").read_text())["files"]
-    name = _first_shard_tensor(src, suffix)
-    begin, end = _tensor_span(src / FIRST, name)
-    _rewrite_byte_keeping_mtime(src / FIRST, (begin + end) // 2)
+    path, name = _first_shard_tensor(src, suffix, backend)
+    begin, end = _tensor_span(path, name)
+    _rewrite_byte_keeping_mtime(path, (begin + end) // 2)
     convert(src, backend, out)  # resumes: same header fingerprint, same parameters
     convert(src, backend, tmp_path / "fresh")
     assert tree_hashes(out) == tree_hashes(tmp_path / "fresh")
@@ -116,7 +126,8 @@ def test_hub_snapshot_uses_blob_names_and_a_new_revision_redoes_the_shard(tmp_pa
         convert(old, "trtllm", out, progress=_interrupt_after_first_shard)
     rec = json.loads((_partial(out) / "mxfp8_convert.partial.json").read_text())["files"][FIRST]
     blobs = rec["source"]["hub_blobs"]
-    assert FIRST in blobs and blobs == {f: os.readlink(old / f).rsplit("/", 1)[1] for f in blobs}
+    assert _first_shard_tensor(src, "")[0].name in blobs
+    assert blobs == {f: os.readlink(old / f).rsplit("/", 1)[1] for f in blobs}
     # same revision: the blob names prove the bytes, nothing is hashed again
     hashed = []
     real = SourceProof.hash_sources
@@ -126,9 +137,9 @@ def test_hub_snapshot_uses_blob_names_and_a_new_revision_redoes_the_shard(tmp_pa
         convert(old, "trtllm", out, progress=_interrupt_after_first_shard)
     assert hashed == []
     # a new revision: same headers, other bytes in the first shard
-    name = _first_shard_tensor(src, "mlp.down_proj.weight")
-    begin, end = _tensor_span(src / FIRST, name)
-    _rewrite_byte_keeping_mtime(src / FIRST, (begin + end) // 2)
+    path, name = _first_shard_tensor(src, "mlp.down_proj.weight")
+    begin, end = _tensor_span(path, name)
+    _rewrite_byte_keeping_mtime(path, (begin + end) // 2)
     new = _hub_snapshot(cache, src, "b" * 40)
     convert(new, "trtllm", out)
     convert(new, "trtllm", tmp_path / "fresh")
@@ -144,9 +155,9 @@ def test_finalize_refuses_a_part_whose_source_bytes_changed_and_the_rerun_part_r
     out = tmp_path / "out"
     for i in range(3):
         convert(src, "cutlass", out, part=(i, 3))
-    name = _first_shard_tensor(src, "mlp.down_proj.weight")
-    begin, end = _tensor_span(src / FIRST, name)
-    _rewrite_byte_keeping_mtime(src / FIRST, (begin + end) // 2)
+    path, name = _first_shard_tensor(src, "mlp.down_proj.weight", "cutlass")
+    begin, end = _tensor_span(path, name)
+    _rewrite_byte_keeping_mtime(path, (begin + end) // 2)
     with pytest.raises(OutputError,
                        match=rf"shard {FIRST} \(part 0 of 3\) are not those it was converted from"):
         finalize(out)

@@ -22,8 +22,8 @@ from pathlib import Path
 
 import pytest
 
-from mxfp8_convert import convert
-from mxfp8_convert.convert import finalize
+from mxfp8_convert import convert as _convert
+from mxfp8_convert.convert import finalize, plan_conversion
 from mxfp8_convert.errors import OutputError, SourceError
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
 from mxfp8_convert.verify import verify
@@ -34,6 +34,19 @@ from tests.hostile import leftovers, run_cli, small_model, tree_state
 SHARDED = SynthSpec(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256,
                     shards=3)
 SHARD1 = "model-00001-of-00003.safetensors"
+#: output shards of at most 0.6 MB: 3 of them for SHARDED (1.5 MB)
+SHARD_SIZE = 600_000
+
+
+def convert(*args, **kwargs):
+    return _convert(*args, max_shard_size=SHARD_SIZE, **kwargs)
+
+
+def _first_source(src: Path, backend: str = "trtllm", shard: int = 0) -> tuple[Path, str]:
+    """The source file and name of the first tensor read for output shard ``shard``."""
+    ckpt, plan = plan_conversion(src, backend, max_shard_size=SHARD_SIZE)
+    name = plan.shards[shard].tensors[0].source
+    return src / ckpt.tensors[name].file, name
 DECOY_FILES = {"notes.txt": b"the user's own notes\n", "data/results.csv": b"a,b\n1,2\n"}
 
 
@@ -219,7 +232,8 @@ class Child:
 
 
 def _args(src, out, *extra):
-    return [src, "--backend", "trtllm", "-o", out, "--quiet", *extra]
+    return [src, "--backend", "trtllm", "-o", out, "--quiet", *extra,
+            "--max-shard-size", str(SHARD_SIZE)]
 
 
 @pytest.mark.parametrize("mode", ["run", "fresh", "part"])
@@ -451,6 +465,7 @@ def _ballast(fs: Path, name: str, size: int | None) -> None:
 #: two shards of about 1 MB: a 4 MiB tmpfs takes the whole output, not the whole output twice
 BIGGER = SynthSpec(layers=2, hidden=256, intermediate=1024, heads=4, kv_heads=2, vocab=256,
                    shards=2)
+BIGGER_SHARDS = ("--max-shard-size", "1500000")  # two output shards, as the source has
 
 
 def test_disk_full_keeps_finished_shards_and_a_resume_needs_only_the_rest(tmp_path, tmpfs, capsys):
@@ -464,7 +479,7 @@ def test_disk_full_keeps_finished_shards_and_a_resume_needs_only_the_rest(tmp_pa
     before = tree_state(src)
     fs = tmpfs(4 << 20)
     dest = fs / "out"
-    shards = sorted(p.name for p in src.glob("*.safetensors"))
+    shards = ["model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"]  # output
     filled = []
 
     def other_process(path: str) -> None:
@@ -473,7 +488,7 @@ def test_disk_full_keeps_finished_shards_and_a_resume_needs_only_the_rest(tmp_pa
             filled.append(path)
 
     with audit(on_write=other_process):
-        code, out, err = run_cli(capsys, src, "-b", "trtllm", "-o", dest)
+        code, out, err = run_cli(capsys, src, "-b", "trtllm", "-o", dest, *BIGGER_SHARDS)
     assert filled and code == 1 and "Traceback" not in err, err
     lines = err.strip().splitlines()
     assert len(lines) == 2 and "no space left on device" in lines[0], err
@@ -485,15 +500,15 @@ def test_disk_full_keeps_finished_shards_and_a_resume_needs_only_the_rest(tmp_pa
     assert set((fs / "ballast.bin").read_bytes()) == {0x5A}  # the other process's file, untouched
     (fs / "ballast.bin").unlink()
     # leave less room than the whole output needs, but enough for what is left
-    from mxfp8_convert.convert import plan_conversion
-    _, plan = plan_conversion(src, "trtllm")
+    _, plan = plan_conversion(src, "trtllm", max_shard_size=BIGGER_SHARDS[1])
+    assert [s.name for s in plan.shards] == shards
     whole = plan.nbytes + sum((src / f).stat().st_size for f in plan.copied_files) + (1 << 20)
     done = manifest["files"][shards[0]]["size"]
     free = shutil.disk_usage(fs).free
     assert free > whole - done // 2, "the tmpfs is too small for this test's arithmetic"
     _ballast(fs, "ballast.bin", free - (whole - done // 2))
     assert shutil.disk_usage(fs).free < whole
-    code, out, err = run_cli(capsys, src, "-b", "trtllm", "-o", dest)
+    code, out, err = run_cli(capsys, src, "-b", "trtllm", "-o", dest, *BIGGER_SHARDS)
     assert code == 0, err
     assert (dest / shards[0]).stat().st_ino == kept and verify(dest, src).ok
     assert tree_state(src) == before and set((fs / "ballast.bin").read_bytes()) == {0x5A}
@@ -503,12 +518,12 @@ def test_disk_full_keeps_finished_shards_and_a_resume_needs_only_the_rest(tmp_pa
 def test_failed_part_leaves_no_half_written_shard(world, tmp_path):
     """Issue 27.12: a part that fails inside a shard (a NaN found while writing) removes it."""
     src, decoy, out, state = world
-    shard = src / "model-00002-of-00003.safetensors"
+    ckpt, plan = plan_conversion(src, "trtllm", max_shard_size=SHARD_SIZE)
+    name = next(t.source for t in plan.shards[1].tensors if t.source.endswith("proj.weight"))
+    shard = src / ckpt.tensors[name].file
     raw = bytearray(shard.read_bytes())
     (n,) = __import__("struct").unpack("<Q", raw[:8])
     header = json.loads(raw[8:8 + n])
-    name = next(k for k, v in header.items()
-                if k.endswith("proj.weight") and v["dtype"] == "F8_E4M3")
     begin = 8 + n + header[name]["data_offsets"][0]
     raw[begin + 5] = 0x7F  # e4m3 NaN
     shard.write_bytes(bytes(raw))
@@ -529,13 +544,13 @@ def test_source_shard_truncated_while_mapped_names_the_file(world, tmp_path):
     src, decoy, out, state = world
     child = Child(tmp_path, "reading", *_args(src, out))
     child.wait_ready()
-    shard = src / SHARD1
+    shard, _ = _first_source(src)  # the file the child has open: the first one it reads
     done = threading.Event()
     threading.Thread(target=lambda: (os.truncate(shard, 4096), done.set()), daemon=True).start()
     done.wait(10)  # with the lease the truncate waits for the converter to let go
     code, _, err = child.go()
     assert code == 1 and "Traceback" not in err, (code, err)
-    assert err.strip().splitlines()[0] == (f"Error: {SHARD1}: another process opened this source "
+    assert err.strip().splitlines()[0] == (f"Error: {shard.name}: another process opened this source "
                                            "shard for writing or truncated it during the "
                                            "conversion"), err
     assert done.wait(60) and shard.stat().st_size == 4096
@@ -579,7 +594,18 @@ def test_output_modes_are_capped_and_never_wider_than_the_source(tmp_path, umask
         m = stat.S_IMODE(p.stat().st_mode)
         assert m & ~(0o755 if p.is_dir() else 0o644) == 0, (p.name, oct(m))
         assert m & umask == 0, (p.name, oct(m))
-    assert stat.S_IMODE((out / private.name).stat().st_mode) & 0o077 == 0
+    _, plan = plan_conversion(src, "cutlass", max_shard_size=SHARD_SIZE)
+    private_tensors = set(safetensors_keys(private))
+    drawing = [s.name for s in plan.shards if any(t.source in private_tensors for t in s.tensors)]
+    assert drawing
+    for name in drawing:  # every output shard holding bytes of the private source shard
+        assert stat.S_IMODE((out / name).stat().st_mode) & 0o077 == 0, name
+
+
+def safetensors_keys(path: Path) -> list[str]:
+    raw = path.read_bytes()
+    header = json.loads(raw[8:8 + int.from_bytes(raw[:8], "little")])
+    return [k for k in header if k != "__metadata__"]
 
 
 def test_finalize_from_another_working_directory(tmp_path, monkeypatch):

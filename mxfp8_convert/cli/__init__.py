@@ -162,7 +162,7 @@ def convert_cmd(
         int | None,
         typer.Option(
             "--num-parts",
-            help="Split the conversion by input shard into N parts (job arrays); see `finalize`.",
+            help="Split the conversion by output shard into N parts (job arrays); see `finalize`.",
         ),
     ] = None,
     part: Annotated[
@@ -214,6 +214,15 @@ def convert_cmd(
             help="Write a plain copy when no module would be converted (otherwise an error).",
         ),
     ] = False,
+    max_shard_size: Annotated[
+        str,
+        typer.Option(
+            "--max-shard-size",
+            help="Largest output shard, e.g. 5GB (10^9) or 4GiB, as in transformers' "
+            "save_pretrained; a larger module gets a shard of its own. Shards are named "
+            "model-00001-of-0000N.safetensors, or model.safetensors alone.",
+        ),
+    ] = "5GB",
     as_json: JsonOpt = False,
     quiet: QuietOpt = False,
     debug: DebugOpt = False,
@@ -236,6 +245,9 @@ def convert_cmd(
     if workers < 1:
         raise typer.BadParameter("must be at least 1", param_hint="--workers")
     budget = parse_size(max_memory) if max_memory is not None else None
+    shard_bytes = parse_size(max_shard_size, "--max-shard-size")
+    if shard_bytes <= 0:
+        raise typer.BadParameter("must be positive", param_hint="--max-shard-size")
     if push_to_hub is None and (private or push_branch):
         raise typer.BadParameter(
             "--private and --push-branch need --push-to-hub", param_hint="--push-to-hub"
@@ -250,7 +262,7 @@ def convert_cmd(
                          progress=on_progress,
                          part=(part, num_parts) if num_parts is not None else None, workers=workers,
                          max_memory=budget, moe=moe.value, quantize_towers=quantize_towers,
-                         allow_no_quantized=allow_no_quantized)
+                         allow_no_quantized=allow_no_quantized, max_shard_size=shard_bytes)
     doc = result.to_dict()
     if push_to_hub is not None:
         with handle_errors(out, debug=debug):
@@ -275,7 +287,7 @@ def _verify_and_push(out, result, repo: str, private: bool, branch: str | None) 
     return {"repo_id": repo, "branch": branch, "private": private, "commit_url": url}
 
 
-def parse_size(text: str) -> int:
+def parse_size(text: str, param: str = "--max-memory") -> int:
     """'8GiB', '500MB', '1.5G' or a plain byte count -> bytes, read by pydantic's ``ByteSize``:
     KB/MB/GB (and K/M/G) are powers of 1000, KiB/MiB/GiB powers of 1024, as ``human_bytes``
     prints them."""
@@ -285,7 +297,7 @@ def parse_size(text: str) -> int:
         return int(TypeAdapter(ByteSize).validate_python(text.strip()))
     except ValidationError:
         raise typer.BadParameter(f"{text!r} is not a size like 8GiB or 500MB",
-                                 param_hint="--max-memory") from None
+                                 param_hint=param) from None
 
 
 @app.command("finalize", cls=JsonErrorCommand)

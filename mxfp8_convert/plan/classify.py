@@ -1,0 +1,373 @@
+"""Module classification: which tensors of the source are linear modules, paired with their
+scales and checked, and what each becomes before and after the backend's constraints.
+
+Decided from headers, and from the one fact about data a plan needs, which the reader computes:
+whether an FP8 scale maps losslessly to UE8M0 (``read.pow2_scales``).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+from dataclasses import dataclass
+
+from mxfp8_convert.architecture import QUANTIZED_KINDS, NameRules
+from mxfp8_convert.backends import BACKENDS, BackendSpec
+from mxfp8_convert.dtypes import FLOAT_DTYPES, UE8M0_DTYPES
+from mxfp8_convert.errors import FormatError, LayoutError, SourceError
+from mxfp8_convert.format import CANONICAL_SUFFIX, SWIZZLED_SUFFIX, Marker
+from mxfp8_convert.formats import FormatSpec
+from mxfp8_convert.plan.model import (
+    ModulePlan,
+    StackedSlice,
+    Unquantized,
+    dequantized,
+    kept,
+    module_of,
+)
+from mxfp8_convert.plan.moe import expert_slice, fused_moe_blocks, unfused_experts
+from mxfp8_convert.read import SourceCheckpoint, TensorInfo, pow2_scales
+
+
+def _matches_any(module: str, patterns: list[str]) -> bool:
+    return any(_matches(module, p) for p in patterns)
+
+
+def _matches(module: str, pattern: str) -> bool:
+    """``--ignore`` semantics: the checkpoint's module name (tensor name less ``.weight``) equals
+    the pattern, matches it as an fnmatch pattern, or ends with ``.PATTERN``."""
+    return (module == pattern or fnmatch.fnmatchcase(module, pattern)
+            or module.endswith("." + pattern))
+
+
+def module_names(ckpt: SourceCheckpoint) -> set[str]:
+    """Every module name ``--ignore`` can match: tensor names less ``.weight``, stacked expert
+    tensors and fused MoE blocks."""
+    names = {n[: -len(".weight")] for n in ckpt.tensors if n.endswith(".weight")}
+    names |= {n for n, i in ckpt.tensors.items() if len(i.shape) == 3}
+    return names | set(fused_moe_blocks(ckpt))
+
+
+def resolve_ignore(ckpt: SourceCheckpoint, patterns: list[str], *, strict: bool = True) -> set[str]:
+    """The exact module names ``--ignore`` patterns select.
+
+    Raises:
+        FormatError: ``strict`` and a pattern matches no module of the checkpoint.
+    """
+    names = module_names(ckpt)
+    out: set[str] = set()
+    for p in patterns:
+        hits = {n for n in names if _matches(n, p)}
+        if not hits and strict:
+            raise FormatError(f"--ignore {p!r} matches no module of {ckpt.root}",
+                              hint="patterns match the checkpoint's own names (tensor names less "
+                                   "'.weight'; `inspect` lists them), e.g. 'model.visual.*'")
+        out |= hits
+    return out
+
+
+def find_modules(ckpt: SourceCheckpoint, fmt: FormatSpec,
+                 ignore) -> list[tuple[str, TensorInfo, TensorInfo | None]]:
+    """Pair each quantized weight with its scale; for dense sources, each weight the
+    architecture (or the name rules) calls a linear of the language model. ``ignore``: module
+    names (or patterns) left out."""
+    if fmt.kind == "dense":
+        arch = dense_architecture(ckpt)
+        return sorted((module_of(n), i, None) for n, i in ckpt.tensors.items()
+                      if n.endswith(".weight") and i.dtype in FLOAT_DTYPES and len(i.shape) == 2
+                      and arch.decide(n, i.shape).quantized
+                      and not _matches_any(module_of(n), list(ignore)))
+    pairs = _quantized_pairs(ckpt, fmt)
+    return [(m, w, s) for m, w, s in pairs if not _matches_any(m, list(ignore))]
+
+
+def _quantized_pairs(ckpt: SourceCheckpoint,
+                     fmt: FormatSpec) -> list[tuple[str, TensorInfo, TensorInfo]]:
+    tensors = ckpt.tensors
+    out = []
+    suffixes = _scale_suffixes(fmt)
+    for name, info in tensors.items():
+        for suffix in suffixes:
+            if name.endswith("." + suffix) and name[: -len(suffix)] + "weight" not in tensors:
+                raise SourceError(f"{info.file}: scale {name!r} has no weight {name[: -len(suffix)] + 'weight'!r}")
+        if not name.endswith(".weight") or info.dtype != "F8_E4M3":
+            continue
+        module = name[: -len(".weight")]
+        scale = next((tensors[f"{module}.{x}"] for x in suffixes if f"{module}.{x}" in tensors), None)
+        if scale is None:
+            raise SourceError(f"{info.file}: weight {name!r} is float8_e4m3fn but has no scale "
+                              f"{module + '.' + suffixes[0]!r}")
+        out.append((module, info, scale))
+    return sorted(out, key=lambda m: m[0])
+
+
+_ARCHITECTURES: dict[str, object] = {}
+
+
+def dense_architecture(ckpt: SourceCheckpoint):
+    """``architecture.architecture(config)``, built once per config (it imports transformers)."""
+    from mxfp8_convert.architecture import architecture
+
+    key = ckpt.config_raw.decode("utf-8", "replace")
+    if key not in _ARCHITECTURES:
+        _ARCHITECTURES.clear()  # one model at a time
+        _ARCHITECTURES[key] = architecture(ckpt.config)
+    return _ARCHITECTURES[key]
+
+
+def _scale_suffixes(fmt: FormatSpec) -> tuple[str, ...]:
+    # a laid-out checkpoint holds swizzled scales, and canonical ones for modules it kept
+    return (SWIZZLED_SUFFIX, CANONICAL_SUFFIX) if fmt.kind == "laid_out" else (fmt.scale_suffix,)
+
+
+def _check_mxfp8_pair(w: TensorInfo, s: TensorInfo) -> tuple[int, int]:
+    n, k = _check_weight(w)
+    if s.dtype not in UE8M0_DTYPES:
+        raise LayoutError(f"{s.file}: scale {s.name!r} has dtype {s.dtype}; MXFP8 scales are U8 or F8_E8M0")
+    if tuple(s.shape) != (n, k // 32):
+        raise LayoutError(f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; weight {w.name!r} [{n}, {k}] needs [{n}, {k // 32}]")
+    return n, k
+
+
+def _check_weight(w: TensorInfo) -> tuple[int, int]:
+    if len(w.shape) != 2:
+        raise LayoutError(f"{w.file}: weight {w.name!r} has shape {list(w.shape)}; only 2-D linear weights are supported")
+    n, k = w.shape
+    if k % 32:
+        raise LayoutError(f"{w.file}: weight {w.name!r} has K={k}, not a multiple of 32 (MXFP8 blocks are 1x32)")
+    return n, k
+
+
+def _check_laid_out_pair(w: TensorInfo, s: TensorInfo, src: BackendSpec) -> tuple[int, int]:
+    n, k = _check_weight(w)
+    if s.name.endswith("." + CANONICAL_SUFFIX):
+        return _check_mxfp8_pair(w, s)
+    want = tuple(src.scale_shape(n, k // 32))
+    if s.dtype != "U8" or tuple(s.shape) != want:
+        raise LayoutError(f"{s.file}: scale {s.name!r} is {s.dtype} {list(s.shape)}; a {src.name} scale of "
+                          f"weight {w.name!r} [{n}, {k}] is U8 {list(want)}")
+    return n, k
+
+
+def _check_fp8_pair(fmt: FormatSpec, w: TensorInfo, s: TensorInfo) -> tuple[int, int]:
+    """Shapes of a block/per-tensor FP8 pair (its scale's values: ``fp8_lossless``). K need not
+    be a multiple of 32: the backend check says what becomes of such a module."""
+    n, k = _check_2d(w)
+    if s.dtype not in FLOAT_DTYPES:
+        raise LayoutError(f"{s.file}: scale {s.name!r} has dtype {s.dtype}; FP8 scales are floating point")
+    if fmt.kind == "block_fp8":
+        want = (-(-n // 128), -(-k // 128))
+        if tuple(s.shape) != want:
+            raise LayoutError(f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; weight {w.name!r} "
+                              f"[{n}, {k}] with 128x128 blocks needs {list(want)}")
+    elif math.prod(s.shape) not in (1, n) or len(s.shape) > 2:
+        raise LayoutError(f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; per-tensor or per-channel "
+                          f"scales of weight {w.name!r} [{n}, {k}] are [], [1], [{n}] or [{n}, 1]")
+    return n, k
+
+
+def fp8_lossless(ckpt: SourceCheckpoint, fmt: FormatSpec) -> dict[str, bool]:
+    """Scale name -> whether that FP8 pair converts losslessly (``read.pow2_scales``: every
+    multiplier an exact power of two in ``[2^-127, 2^127]``); {} for other formats.
+
+    Raises:
+        LayoutError: a scale that is not a finite positive number.
+    """
+    if fmt.kind not in ("block_fp8", "fp8"):
+        return {}
+    return pow2_scales(ckpt.root, [s for _, _, s in _quantized_pairs(ckpt, fmt)])
+
+
+def source_backend(ckpt: SourceCheckpoint, fmt: FormatSpec) -> BackendSpec | None:
+    if fmt.kind != "laid_out":
+        return None
+    qc = (ckpt.config or {}).get("quantization_config")
+    marker = Marker.parse(qc, f"{ckpt.root}/config.json", error=FormatError)
+    return BACKENDS[marker.backend]
+
+
+def _classify(fmt, src, w, s, lossless: dict[str, bool]) -> tuple[int, int, str]:
+    """(N, K, action before backend constraints) of one module."""
+    if fmt.kind == "dense":
+        return (*_check_2d(w), "quantize")
+    if fmt.kind in ("block_fp8", "fp8"):  # the pair's shapes are checked already (_candidates)
+        n, k = w.shape
+        return n, k, "lossless" if lossless[s.name] else "requantize"
+    n, k = _check_laid_out_pair(w, s, src) if src is not None else _check_mxfp8_pair(w, s)
+    return n, k, "relayout"
+
+
+def _check_2d(w: TensorInfo) -> tuple[int, int]:
+    """``[N, K]`` of a weight whose K need not fit MXFP8 blocks (the backend check says so)."""
+    if len(w.shape) != 2:
+        raise LayoutError(f"{w.file}: weight {w.name!r} has shape {list(w.shape)}; "
+                          "only 2-D linear weights are supported")
+    return w.shape
+
+
+@dataclass(frozen=True, slots=True)
+class _Found:
+    """What the search of a source found: modules to plan, weights left as they are."""
+
+    modules: list[ModulePlan]
+    unquantized: list[Unquantized]
+
+
+def candidates(ckpt, fmt, src: BackendSpec | None, backend: BackendSpec, ignored: set[str],
+                towers: bool, lossless: dict[str, bool] | None = None) -> _Found:
+    """Every linear module of the source, classified and planned for ``backend`` before its
+    constraints are checked, and every other weight with why it is left as it is. Ignored
+    modules of a quantized source are planned dequantized."""
+    if fmt.kind == "dense":
+        return _dense_candidates(ckpt, backend, ignored, towers)
+    out, unq = [], []
+    pairs = _quantized_pairs(ckpt, fmt)
+    if fmt.kind in ("block_fp8", "fp8"):
+        for _, w, s in pairs:  # shapes first: a bad pair fails before any scale is read
+            _check_fp8_pair(fmt, w, s)
+        if lossless is None:
+            lossless = pow2_scales(ckpt.root, [s for _, _, s in pairs])
+    for module, w, s in pairs:
+        n, k, action = _classify(fmt, src, w, s, lossless)
+        src_name = src.name if src is not None and s.name.endswith("." + SWIZZLED_SUFFIX) else None
+        m = ModulePlan(module, n, k, w, s, action, backend.weight_layout, None, fmt.kind, src_name)
+        out.append(dequantized(m, "--ignore") if module in ignored else m)
+    if src is not None:
+        out += unfused_experts(ckpt, fmt, src, backend, ignored)
+    consumed = {t.name for m in out for t in (m.weight, m.scale) if t is not None}
+    rules = NameRules("not quantized in the source")
+    for name, info in sorted(ckpt.tensors.items()):
+        if name in consumed or info.dtype not in FLOAT_DTYPES or len(info.shape) not in (2, 3):
+            continue
+        if len(info.shape) == 2 and not name.endswith(".weight"):
+            continue
+        d = rules.decide(name[: -len(".weight")] if name.endswith(".weight") else name, info.shape)
+        unq.append(Unquantized(module_of(name), info.shape, d.kind, "not quantized in the source",
+                               "source"))
+    return _Found(out, unq)
+
+
+def _dense_candidates(ckpt, backend: BackendSpec, ignored: set[str], towers: bool) -> _Found:
+    """Float weights: the linears the architecture (or the name rules) puts in the language
+    model, or outside it with ``towers``; stacked 3-D experts where their layout is known."""
+    arch = dense_architecture(ckpt)
+    out, unq = [], []
+    for name, info in sorted(ckpt.tensors.items()):
+        if info.dtype not in FLOAT_DTYPES or len(info.shape) not in (2, 3):
+            continue
+        if len(info.shape) == 2 and not name.endswith(".weight"):
+            continue
+        module = module_of(name)
+        d = arch.decide(name, info.shape)
+        wanted = d.kind in (*QUANTIZED_KINDS, "stacked_experts") or (towers and d.kind == "outside")
+        if not wanted:
+            unq.append(Unquantized(module, info.shape, d.kind, d.why, d.basis))
+        elif module in ignored:
+            unq.append(Unquantized(module, info.shape, "ignored", "--ignore", d.basis))
+        elif d.kind == "stacked_experts":
+            found = _stacked_experts(ckpt, name, info, backend, d)
+            out += found.modules
+            unq += found.unquantized
+        elif len(info.shape) == 2:
+            n, k = info.shape
+            out.append(ModulePlan(module, n, k, info, None, "quantize", backend.weight_layout, None,
+                                  "dense", None, decided_by=d.basis))
+    return _Found(out, unq)
+
+
+@dataclass(frozen=True, slots=True)
+class StackedLayout:
+    """How a family stores its experts stacked: tensor name -> the projections it holds (and
+    their columns), and whether the trtllm-gen fused MoE kernel computes that family's experts
+    (a plain SiLU-gated MLP without biases)."""
+
+    projs: dict
+    fusable: bool
+
+
+#: model_type -> layout of ``<block>.gate_up_proj [E, H, 2I]`` / ``<block>.down_proj [E, I, H]``
+#: (K is axis 1: the modules compute ``x @ W[e]``)
+STACKED_EXPERTS = {
+    # Llama-4: gate_up.chunk(2, dim=-1): gate first (Llama4TextExperts)
+    "llama4_text": StackedLayout({"gate_up_proj": (("gate", "first"), ("up", "second")),
+                                  "down_proj": (("down", "all"),)}, fusable=True),
+    # gpt-oss: gate_up[..., ::2], gate_up[..., 1::2]; clamped SwiGLU with biases (GptOssExperts)
+    "gpt_oss": StackedLayout({"gate_up_proj": (("gate", "even"), ("up", "odd")),
+                              "down_proj": (("down", "all"),)}, fusable=False),
+}
+STACKED_EXPERTS["llama4"] = STACKED_EXPERTS["llama4_text"]
+_STACKED_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
+
+
+def _text_config(cfg: dict) -> dict:
+    text = cfg.get("text_config")
+    return text if isinstance(text, dict) else cfg
+
+
+def _stacked_experts(ckpt, name: str, info: TensorInfo, backend: BackendSpec, d) -> _Found:
+    """Per-expert modules ``<block>.<e>.{gate,up,down}_proj`` cut out of a stacked tensor whose
+    layout ``STACKED_EXPERTS`` knows and whose shape fits the config; else the tensor is left
+    as it is, saying why."""
+    cfg = ckpt.config or {}
+    text = _text_config(cfg)
+    model_type = text.get("model_type", cfg.get("model_type"))
+    block, _, tensor = name.rpartition(".")
+    layout = STACKED_EXPERTS.get(model_type)
+    projs = layout.projs.get(tensor) if layout is not None else None
+    if projs is None:
+        why = f"stacked experts of {model_type!r}: layout of {tensor!r} unknown, left as it is"
+        return _Found([], [Unquantized(name, info.shape, "stacked_experts", why, d.basis)])
+    e, k, cols = info.shape
+    h, i = text.get("hidden_size"), text.get("intermediate_size")
+    want = (h, 2 * i) if tensor == "gate_up_proj" else (i, h)
+    if not isinstance(h, int) or not isinstance(i, int) or (k, cols) != want:
+        why = (f"stacked experts [E, K, N] = {list(info.shape)} do not fit hidden_size={h}, "
+               f"intermediate_size={i} of config.json; left as they are")
+        return _Found([], [Unquantized(name, info.shape, "stacked_experts", why, d.basis)])
+    n = cols // len(projs)
+    out = [ModulePlan(f"{block}.{x}.{_STACKED_NAMES[proj]}", n, k, expert_slice(info, x), None,
+                      "quantize", backend.weight_layout, None, "dense", None, decided_by=d.basis,
+                      stacked=StackedSlice(proj, x, sel, layout.fusable))
+           for x in range(e) for proj, sel in projs]
+    return _Found(out, [])
+
+
+
+
+def fit(m: ModulePlan, backend: BackendSpec, on_ineligible: str, offenders: list[str],
+         unquantized: list[Unquantized]) -> ModulePlan | None:
+    """``m`` if ``backend`` takes it; else (``keep``) ``m`` kept canonical, or, where K has no
+    1x32 blocks, left in the source's precision (dense: as it is, quantized: dequantized);
+    else None (noted in ``offenders``)."""
+    if m.action == "dequantize":
+        return m
+    bad = backend.violations(m.n, m.k)
+    if not bad:
+        return m
+    if on_ineligible == "error":
+        offenders.append(f"{m.name}.weight [{m.n}, {m.k}]: {', '.join(bad)}")
+        return None
+    if m.k % 32 == 0:
+        return kept(m, "; ".join(bad))
+    if m.source_kind == "dense":
+        unquantized.append(Unquantized(m.name, (m.n, m.k), "ineligible", "; ".join(bad),
+                                       m.decided_by))
+        return None
+    return dequantized(m, "; ".join(bad))
+
+
+
+
+#: config.json ``torch_dtype`` / ``dtype`` -> the safetensors dtype dequantized weights take
+MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
+
+
+def model_dtype(cfg: dict | None) -> str:
+    """The dtype of the model's unquantized weights (config.json), BF16 if it says none."""
+    cfg = cfg or {}
+    for c in (cfg, _text_config(cfg)):
+        for key in ("torch_dtype", "dtype"):
+            if c.get(key) in MODEL_DTYPES:
+                return MODEL_DTYPES[c[key]]
+    return "BF16"
+
