@@ -1,7 +1,9 @@
 """Planning time at DeepSeek-V3 size: ``--dry-run`` and ``inspect`` of the sparse checkpoints that
 ``make_deepseek_sparse.py`` builds (91,991 tensors in 163 shards; block-FP8 with real float32
 scales, and MXFP8), each a fresh CLI process, interleaved, optionally beside an older tree
-(``--baseline``: e.g. a commit's ``git archive``). Results as JSON under ``benchmarks/results/``.
+(``--baseline``: e.g. a commit's ``git archive``). Also the output shards each tree's trtllm
+plan lays out (count, empty ones, largest and smallest). Results as JSON under
+``benchmarks/results/``.
 
 Usage: python benchmarks/bench_plan.py [--dir /tmp/bench-plan] [--repeat 3] [--baseline DIR]
 """
@@ -21,15 +23,23 @@ from pathlib import Path
 HERE = Path(__file__).parent
 
 
-def timed(cmd: list[str], env: dict) -> tuple[float, float]:
-    """Wall seconds and CPU seconds (user + system) of one child: on a shared machine the CPU
-    time is the steadier figure."""
+def timed(cmd: list[str], env: dict) -> tuple[float, float, bytes]:
+    """Wall seconds, CPU seconds (user + system) and stdout of one child: on a shared machine
+    the CPU time is the steadier figure."""
     before = resource.getrusage(resource.RUSAGE_CHILDREN)
     t = time.perf_counter()
-    subprocess.run(cmd, check=True, stdout=subprocess.DEVNULL, env=env)
+    out = subprocess.run(cmd, check=True, stdout=subprocess.PIPE, env=env).stdout
     wall = time.perf_counter() - t
     after = resource.getrusage(resource.RUSAGE_CHILDREN)
-    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime)
+    return wall, (after.ru_utime - before.ru_utime) + (after.ru_stime - before.ru_stime), out
+
+
+def shard_stats(doc: dict) -> dict:
+    """The output shards of a ``--dry-run --json`` document."""
+    sizes = [s["nbytes"] for s in doc["plan"]["shards"]]
+    empty = sum(1 for s in doc["plan"]["shards"] if not s["tensors"])
+    return {"shards": len(sizes), "empty": empty, "largest_gb": max(sizes) / 1e9,
+            "smallest_gb": min(sizes) / 1e9}
 
 
 def main() -> None:
@@ -43,30 +53,42 @@ def main() -> None:
     trees = {"new": os.environ.get("PYTHONPATH", str(HERE.parent))}
     if args.baseline:
         trees["baseline"] = str(Path(args.baseline).resolve())
-    rows = []
+    rows, shards = [], {}
     for fmt, scales in (("block_fp8", "real"), ("mxfp8", "holes")):
         src = base / fmt
         if not (src / "model.safetensors.index.json").exists():
-            subprocess.run([sys.executable, str(HERE / "make_deepseek_sparse.py"), str(src), "--format", fmt,
-                            "--scales", scales], check=True)
-        jobs = {"dry-run trtllm": ["--backend", "trtllm", "--dry-run", "--json", "-o", str(base / "out")],
-                "inspect": ["inspect", "--json"]}
-        times: dict[str, list[float]] = {}
+            subprocess.run([sys.executable, str(HERE / "make_deepseek_sparse.py"), str(src),
+                            "--format", fmt, "--scales", scales], check=True)
+        jobs = {"dry-run trtllm": [str(src), "--backend", "trtllm", "--dry-run", "--json", "-o",
+                                   str(base / "out")],
+                "inspect": ["inspect", str(src), "--json"]}
+        times: dict[str, list[tuple[float, float]]] = {}
         for _ in range(args.repeat):
             for tree, path in trees.items():
                 env = {**os.environ, "PYTHONPATH": path}
                 for job, extra in jobs.items():
-                    cmd = [sys.executable, "-P", "-m", "mxfp8_convert", *(["inspect", str(src), "--json"] if job == "inspect"
-                                                                    else [str(src), *extra])]
-                    times.setdefault(f"{job} {tree}", []).append(timed(cmd, env))
+                    wall, cpu, out = timed([sys.executable, "-P", "-m", "mxfp8_convert", *extra],
+                                           env)
+                    times.setdefault(f"{job} {tree}", []).append((wall, cpu))
+                    if job == "dry-run trtllm":
+                        shards[f"{fmt} {tree}"] = shard_stats(json.loads(out))
         for name, ts in times.items():
             wall, cpu = [w for w, _ in ts], [c for _, c in ts]
             print(f"{fmt:9s} {name:24s} wall median {statistics.median(wall):6.2f} s (runs "
-                  f"{', '.join(f'{t:.2f}' for t in wall)})  CPU median {statistics.median(cpu):6.2f} s", flush=True)
+                  f"{', '.join(f'{t:.2f}' for t in wall)})  CPU median "
+                  f"{statistics.median(cpu):6.2f} s (runs {', '.join(f'{t:.2f}' for t in cpu)})",
+                  flush=True)
             rows.append({"format": fmt, "job": name, "wall_s": wall, "cpu_s": cpu})
+        for tree in trees:
+            cpu = {job: statistics.median(r["cpu_s"]) for r in rows for job in jobs
+                   if r["format"] == fmt and r["job"] == f"{job} {tree}"}
+            print(f"{fmt:9s} {tree}: inspect / dry run (CPU medians) "
+                  f"{cpu['inspect'] / cpu['dry-run trtllm']:.2f}x; trtllm output shards "
+                  f"{shards[f'{fmt} {tree}']}", flush=True)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
-    Path(args.out).write_text(json.dumps({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
-                                          "command": " ".join(sys.argv), "rows": rows}, indent=1) + "\n")
+    doc = {"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+           "command": " ".join(sys.argv), "rows": rows, "trtllm_output_shards": shards}
+    Path(args.out).write_text(json.dumps(doc, indent=1) + "\n")
 
 
 if __name__ == "__main__":

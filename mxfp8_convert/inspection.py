@@ -17,12 +17,12 @@ from mxfp8_convert.layouts.moe import moe_shape_violations
 from mxfp8_convert.plan import (
     EXPERT_ROLES,
     MOE_BACKENDS,
-    build_plan,
     expert_key,
     find_modules,
     fp8_lossless,
     fused_moe_blocks,
     fused_moe_shape,
+    plan_modules,
 )
 from mxfp8_convert.read import open_checkpoint, resolve_model
 
@@ -167,13 +167,16 @@ def _why_not(backend, w, n: int, k: int) -> list[str]:
 
 
 def _conversion(ckpt, fmt, backend: str, lossless: dict[str, bool] | None) -> str:
-    """What converting to ``backend`` would do, in one phrase."""
+    """What converting to ``backend`` would do with the modules, in one phrase (the module
+    decisions of its plan, ``plan_modules``; the output's tensors need not be laid out)."""
     try:
-        plan = build_plan(ckpt, BACKENDS[backend], fmt, on_ineligible="keep",
-                          allow_no_quantized=True, lossless=lossless)
+        modules, layers, _ = plan_modules(ckpt, BACKENDS[backend], fmt, on_ineligible="keep",
+                                          lossless=lossless)
     except ConvertError as e:
         return f"not possible: {e}"
-    counts = plan.to_dict()["modules_by_action"]
+    counts: dict[str, int] = {}
+    for m in (*modules, *(m for layer in layers for m in layer.modules)):
+        counts[m.action] = counts.get(m.action, 0) + 1
     text = ", ".join(f"{v} {k}" for k, v in sorted(counts.items())) or "nothing to convert"
-    experts = sum(layer.experts for layer in plan.moe)
-    return text + (f" ({experts} experts fused into {len(plan.moe)} MoE blocks)" if plan.moe else "")
+    experts = sum(layer.experts for layer in layers)
+    return text + (f" ({experts} experts fused into {len(layers)} MoE blocks)" if layers else "")

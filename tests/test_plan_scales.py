@@ -1,7 +1,8 @@
-"""The plan's batched FP8 scale reading agrees with the per-tensor torch test it replaced.
+"""The reader's batched FP8 scale test agrees with the per-tensor torch test it replaced.
 
-``plan.fp8_lossless`` reads every scale file by file and tests powers of two with numpy on the
-float32 bits; ``quantize.fp8_scales_are_pow2`` (torch, one tensor at a time) is the reference.
+``plan.fp8_lossless`` (the reader's ``read.pow2_scales``) maps every scale file once and tests
+powers of two with numpy on the float32 bits; ``quantize.fp8_scales_are_pow2`` (torch, one
+tensor at a time) is the reference.
 Scales of every float dtype, per-tensor and block shapes, powers of two at the edges of the
 UE8M0 range (2^-127 is a float32 subnormal), values just off a power of two, and bad values.
 """
@@ -35,7 +36,8 @@ def _checkpoint(tmp_path, scales: dict[str, torch.Tensor]):
     save_file({k: tensors[k] for k in names[:half]}, str(tmp_path / "a.safetensors"))
     save_file({k: tensors[k] for k in names[half:]}, str(tmp_path / "b.safetensors"))
     (tmp_path / "config.json").write_text(json.dumps({"quantization_config": {
-        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128], "activation_scheme": "dynamic"}}))
+        "quant_method": "fp8", "fmt": "e4m3", "weight_block_size": [128, 128],
+        "activation_scheme": "dynamic"}}))
     return open_checkpoint(tmp_path), tensors
 
 
@@ -55,7 +57,8 @@ def _scales() -> dict[str, torch.Tensor]:
 def test_batched_scale_test_agrees_with_the_per_tensor_reference(tmp_path):
     ckpt, tensors = _checkpoint(tmp_path, _scales())
     got = fp8_lossless(ckpt, get_format("block_fp8"))
-    want = {k: fp8_scales_are_pow2(t, name=k) for k, t in tensors.items() if k.endswith("scale_inv")}
+    want = {k: fp8_scales_are_pow2(t, name=k) for k, t in tensors.items()
+            if k.endswith("scale_inv")}
     assert got == want
     assert any(want.values()) and not all(want.values())
 

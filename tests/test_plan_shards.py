@@ -125,7 +125,8 @@ def test_converted_shards_index_verify_and_load(tmp_path):
     assert all(0 < s for s in sizes.values())
     assert verify(out, src).ok
     convert(src, "trtllm", tmp_path / "one")
-    assert sorted((tmp_path / "one").glob("*.safetensors")) == [tmp_path / "one" / "model.safetensors"]
+    one = tmp_path / "one"
+    assert sorted(one.glob("*.safetensors")) == [one / "model.safetensors"]
     assert not (tmp_path / "one" / "model.safetensors.index.json").exists()
     a, _ = load_all(out)
     b, _ = load_all(tmp_path / "one")

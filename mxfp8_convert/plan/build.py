@@ -69,32 +69,82 @@ def fingerprint(ckpt: SourceCheckpoint) -> str:
     return "sha256:" + h.hexdigest()
 
 
-def _module_plans(ckpt, fmt, backend: BackendSpec, ignored: set[str], on_ineligible, moe: str,
-                  towers: bool, lossless: dict[str, bool] | None = None,
-                  ) -> tuple[list[ModulePlan], list[MoELayerPlan], list[Unquantized]]:
+def plan_modules(
+    ckpt: SourceCheckpoint,
+    backend: BackendSpec,
+    fmt: FormatSpec,
+    *,
+    on_ineligible: str = "error",
+    ignore: list[str] | None = None,
+    moe: str = "fuse",
+    quantize_towers: bool = False,
+    strict_ignore: bool = True,
+    lossless: dict[str, bool] | None = None,
+) -> tuple[list[ModulePlan], list[MoELayerPlan], list[Unquantized]]:
+    """What becomes of every module for ``backend``: ``build_plan`` up to, not including,
+    laying out the output's tensors and shards (``inspect`` asks this of every backend).
+    Arguments and errors as ``build_plan``'s.
+
+    Returns:
+        ``(modules, fused MoE layers, weights left as they are)``.
+    """
+    if on_ineligible not in ON_INELIGIBLE:
+        raise FormatError(f"--on-ineligible must be 'error' or 'keep', got {on_ineligible!r}")
+    if moe not in MOE_MODES:
+        raise FormatError(f"--moe must be 'fuse' or 'keep', got {moe!r}")
+    ignored = resolve_ignore(ckpt, list(ignore or []), strict=strict_ignore)
+    return _module_plans(ckpt, fmt, backend, ignored, on_ineligible, moe, quantize_towers, lossless)
+
+
+def _module_plans(
+    ckpt,
+    fmt,
+    backend: BackendSpec,
+    ignored: set[str],
+    on_ineligible,
+    moe: str,
+    towers: bool,
+    lossless: dict[str, bool] | None = None,
+) -> tuple[list[ModulePlan], list[MoELayerPlan], list[Unquantized]]:
     src = source_backend(ckpt, fmt)
-    plans, layers, unq = _plan_modules(ckpt, fmt, src, backend, ignored, on_ineligible, moe, towers,
-                                       lossless)
+    plans, layers, unq = _plan_modules(
+        ckpt, fmt, src, backend, ignored, on_ineligible, moe, towers, lossless
+    )
     if src is not None and src.name == backend.name and _changes_nothing(plans, layers, backend):
-        raise FormatError(f"{ckpt.root}: already laid out for {backend.name}",
-                          hint="nothing to do; use --backend canonical to get plain MXFP8 back")
+        raise FormatError(
+            f"{ckpt.root}: already laid out for {backend.name}",
+            hint="nothing to do; use --backend canonical to get plain MXFP8 back",
+        )
     return plans, layers, unq
 
 
-def _changes_nothing(plans: list[ModulePlan], layers: list[MoELayerPlan], backend: BackendSpec) -> bool:
+def _changes_nothing(
+    plans: list[ModulePlan], layers: list[MoELayerPlan], backend: BackendSpec
+) -> bool:
     """Whether converting a checkpoint laid out for ``backend`` to ``backend`` again would
     write what it holds: no module it kept canonical (``--moe keep``, ``--on-ineligible keep``)
     is laid out now, no block is fused or un-fused."""
+
     def same(m: ModulePlan) -> bool:
         was = m.source_backend == backend.name
         return m.fused is None and was == (m.layout == backend.weight_layout)
 
-    return all(same(m) for m in plans) and all(m.fused is not None for layer in layers for m in layer.modules)
+    return all(same(m) for m in plans) and all(
+        m.fused is not None for layer in layers for m in layer.modules
+    )
 
 
-def _plan_modules(ckpt, fmt, src: BackendSpec | None, backend: BackendSpec, ignored: set[str],
-                  on_ineligible, moe: str, towers: bool, lossless: dict[str, bool] | None
-                  ) -> tuple[list[ModulePlan], list[MoELayerPlan], list[Unquantized]]:
+def _plan_modules(
+    ckpt,
+    fmt,
+    src: BackendSpec | None,
+    backend: BackendSpec,
+    ignored: set[str],
+    on_ineligible,
+    moe: str,
+    towers: bool,
+    lossless: dict[str, bool] | None,
+) -> tuple[list[ModulePlan], list[MoELayerPlan], list[Unquantized]]:
     found = candidates(ckpt, fmt, src, backend, ignored, towers, lossless)
     unq = list(found.unquantized)
     dense, blocks = split_experts(found.modules)
@@ -118,16 +168,23 @@ def _plan_modules(ckpt, fmt, src: BackendSpec | None, backend: BackendSpec, igno
             if not bad:
                 layers.append(layer)
             elif on_ineligible == "error":
-                offenders.append(f"{block} [E={layer.experts}, H={layer.hidden}, I={layer.intermediate}]: "
-                                 + "; ".join(bad))
+                offenders.append(
+                    f"{block} [E={layer.experts}, H={layer.hidden}, I={layer.intermediate}]: "
+                    + "; ".join(bad)
+                )
             else:
                 plans += [kept(m, "fused MoE: " + "; ".join(bad)) for m in experts]
     if offenders:
-        hint = ("use --on-ineligible keep to keep them (canonical MXFP8 where K is a multiple of "
-                "32, else as they are), --ignore NAME to leave a module as it is, or another "
-                "--backend")
-        what = "tensor(s) or MoE block(s)" if any(o.startswith(tuple(b + " [E=" for b in blocks)) for o in offenders) \
+        hint = (
+            "use --on-ineligible keep to keep them (canonical MXFP8 where K is a multiple of "
+            "32, else as they are), --ignore NAME to leave a module as it is, or another "
+            "--backend"
+        )
+        what = (
+            "tensor(s) or MoE block(s)"
+            if any(o.startswith(tuple(b + " [E=" for b in blocks)) for o in offenders)
             else "tensor(s)"
+        )
         raise IneligibleError(
             f"{len(offenders)} {what} do not fit backend {backend.name}: " + "; ".join(offenders),
             offenders=offenders,
@@ -137,34 +194,65 @@ def _plan_modules(ckpt, fmt, src: BackendSpec | None, backend: BackendSpec, igno
     return plans, sorted(layers, key=lambda layer: layer.name), unq
 
 
-
-
-def _module_tensors(m: ModulePlan, backend: BackendSpec,
-                    model_dtype: str = "BF16") -> list[TensorPlan]:
+def _module_tensors(
+    m: ModulePlan, backend: BackendSpec, model_dtype: str = "BF16"
+) -> list[TensorPlan]:
     c = m.k // 32
     w = f"{m.name}.weight"
     if m.action == "dequantize":
-        return [TensorPlan(w, "dequantized", model_dtype, (m.n, m.k), DEQUANTIZED_LAYOUT,
-                           m.weight.name, m.name)]
+        return [
+            TensorPlan(
+                w, "dequantized", model_dtype, (m.n, m.k), DEQUANTIZED_LAYOUT, m.weight.name, m.name
+            )
+        ]
     if m.layout == CANONICAL_LAYOUT:
         return [
-            TensorPlan(w, "weight", "F8_E4M3", (m.n, m.k), CANONICAL_LAYOUT, m.weight.name, m.name,
-                       reason=m.reason),
-            TensorPlan(f"{m.name}.{CANONICAL_SUFFIX}", "weight_scale", "U8", (m.n, c), CANONICAL_LAYOUT,
-                       m.scale.name if m.scale else m.weight.name, m.name, (m.n, c), m.reason),
+            TensorPlan(
+                w,
+                "weight",
+                "F8_E4M3",
+                (m.n, m.k),
+                CANONICAL_LAYOUT,
+                m.weight.name,
+                m.name,
+                reason=m.reason,
+            ),
+            TensorPlan(
+                f"{m.name}.{CANONICAL_SUFFIX}",
+                "weight_scale",
+                "U8",
+                (m.n, c),
+                CANONICAL_LAYOUT,
+                m.scale.name if m.scale else m.weight.name,
+                m.name,
+                (m.n, c),
+                m.reason,
+            ),
         ]
     return [
-        TensorPlan(w, "weight", "F8_E4M3", (m.n, m.k), backend.weight_layout, m.weight.name, m.name),
-        TensorPlan(f"{m.name}.{SWIZZLED_SUFFIX}", "weight_scale", "U8", backend.scale_shape(m.n, c),
-                   backend.scale_layout, m.scale.name if m.scale else m.weight.name, m.name, (m.n, c)),
+        TensorPlan(
+            w, "weight", "F8_E4M3", (m.n, m.k), backend.weight_layout, m.weight.name, m.name
+        ),
+        TensorPlan(
+            f"{m.name}.{SWIZZLED_SUFFIX}",
+            "weight_scale",
+            "U8",
+            backend.scale_shape(m.n, c),
+            backend.scale_layout,
+            m.scale.name if m.scale else m.weight.name,
+            m.name,
+            (m.n, c),
+        ),
     ]
 
 
-
-
-
-def _tensor_groups(ckpt: SourceCheckpoint, backend: BackendSpec, modules: list[ModulePlan],
-                   layers: list[MoELayerPlan], dropped: set[str]) -> list[tuple[TensorPlan, ...]]:
+def _tensor_groups(
+    ckpt: SourceCheckpoint,
+    backend: BackendSpec,
+    modules: list[ModulePlan],
+    layers: list[MoELayerPlan],
+    dropped: set[str],
+) -> list[tuple[TensorPlan, ...]]:
     """Every output tensor, in groups that share a shard (a module's weight and scale, a fused
     MoE projection and its scale, a copied tensor alone), in source order: by the source
     file and offset of each group's first weight."""
@@ -175,7 +263,6 @@ def _tensor_groups(ckpt: SourceCheckpoint, backend: BackendSpec, modules: list[M
     def at(info) -> tuple[int, int, str]:
         return rank[info.file], info.begin, info.name
 
-    consumed: set[str] = set()
     for m in modules:
         keyed.append((at(m.weight), tuple(_module_tensors(m, backend, dtype))))
     for layer in layers:
@@ -184,18 +271,24 @@ def _tensor_groups(ckpt: SourceCheckpoint, backend: BackendSpec, modules: list[M
             (fc1 if t.role.startswith("moe_fc1") else fc2)[t.role] = t
         keyed.append((at(layer.gate[0].weight), tuple(fc1.values())))
         keyed.append((at(layer.down[0].weight), tuple(fc2.values())))
-    for m in (*modules, *(m for layer in layers for m in layer.modules)):
-        consumed.update(t.name for t in (m.weight, m.scale) if t is not None)
+    consumed = {
+        t.name
+        for m in (*modules, *(m for layer in layers for m in layer.modules))
+        for t in (m.weight, m.scale)
+        if t is not None
+    }
     for name, info in ckpt.tensors.items():
         if name not in consumed and name not in dropped:
-            keyed.append((at(info), (TensorPlan(name, "passthrough", info.dtype, info.shape, "copy",
-                                                name),)))
+            keyed.append(
+                (at(info), (TensorPlan(name, "passthrough", info.dtype, info.shape, "copy", name),))
+            )
     keyed.sort(key=lambda g: g[0])
     return [g for _, g in keyed]
 
 
-def _shards(ckpt: SourceCheckpoint, groups: list[tuple[TensorPlan, ...]],
-            max_bytes: int) -> tuple[ShardPlan, ...]:
+def _shards(
+    ckpt: SourceCheckpoint, groups: list[tuple[TensorPlan, ...]], max_bytes: int
+) -> tuple[ShardPlan, ...]:
     """The groups packed into named shards (``shards``); each keeps the ``__metadata__`` of the
     source shards it draws on (the first file's value where two differ). No tensors at all:
     one ``model.safetensors`` holding none, so that the output is still a checkpoint."""
@@ -230,7 +323,9 @@ def _check_unique_names(shards: tuple[ShardPlan, ...], ckpt: SourceCheckpoint) -
         for t in shard.tensors:
             if t.name in seen:
                 where = ckpt.tensors[t.name].file if t.name in ckpt.tensors else shard.name
-                raise SourceError(f"{where}: tensor {t.name!r} has the name of a tensor the conversion writes")
+                raise SourceError(
+                    f"{where}: tensor {t.name!r} has the name of a tensor the conversion writes"
+                )
             seen.add(t.name)
 
 
@@ -281,37 +376,56 @@ def build_plan(
         LayoutError / SourceError / FormatError: malformed pairs, missing partners or experts,
             unsupported format, an ``ignore`` pattern matching nothing, nothing to convert.
     """
-    if on_ineligible not in ON_INELIGIBLE:
-        raise FormatError(f"--on-ineligible must be 'error' or 'keep', got {on_ineligible!r}")
-    if moe not in MOE_MODES:
-        raise FormatError(f"--moe must be 'fuse' or 'keep', got {moe!r}")
-    ignored = resolve_ignore(ckpt, list(ignore or []), strict=strict_ignore)
-    modules, layers, unquantized = _module_plans(ckpt, fmt, backend, ignored, on_ineligible, moe,
-                                                 quantize_towers, lossless)
+    modules, layers, unquantized = plan_modules(
+        ckpt,
+        backend,
+        fmt,
+        on_ineligible=on_ineligible,
+        ignore=ignore,
+        moe=moe,
+        quantize_towers=quantize_towers,
+        strict_ignore=strict_ignore,
+        lossless=lossless,
+    )
     converts = bool(layers) or any(m.action in MXFP8_ACTIONS for m in modules)
     if not allow_no_quantized and not converts:
-        raise FormatError(f"{ckpt.root}: no module would be converted to MXFP8 ({fmt.name} source, "
-                          f"{len(unquantized)} weights left as they are)",
-                          hint="pass --allow-no-quantized to write a plain copy anyway")
+        raise FormatError(
+            f"{ckpt.root}: no module would be converted to MXFP8 ({fmt.name} source, "
+            f"{len(unquantized)} weights left as they are)",
+            hint="pass --allow-no-quantized to write a plain copy anyway",
+        )
     quantized = fmt.kind != "dense"
-    dropped = tuple(sorted(n for n in ckpt.tensors if quantized and n.endswith(DROPPED_SUFFIXES)))
-    kv = tuple(sorted(n for n in ckpt.tensors if quantized and n.endswith(KV_SCALE_SUFFIXES)))
+    named = [n for n in ckpt.tensors if n.endswith((*DROPPED_SUFFIXES, *KV_SCALE_SUFFIXES))]
+    dropped = tuple(sorted(n for n in named if quantized and n.endswith(DROPPED_SUFFIXES)))
+    kv = tuple(sorted(n for n in named if quantized and n.endswith(KV_SCALE_SUFFIXES)))
     groups = _tensor_groups(ckpt, backend, modules, layers, set(dropped))
     shards = _shards(ckpt, groups, shard_size_bytes(max_shard_size))
     layers = _layer_shards(layers, shards)
     _check_unique_names(shards, ckpt)
-    left = sorted({u.name for u in unquantized if u.kind not in NOT_IGNORED_KINDS}
-                  | {m.name for m in modules if m.action == "dequantize"})
+    left = sorted(
+        {u.name for u in unquantized if u.kind not in NOT_IGNORED_KINDS}
+        | {m.name for m in modules if m.action == "dequantize"}
+    )
     mxfp8 = [m for m in modules if m.action in MXFP8_ACTIONS]
     tp = marker_tp_compat(ckpt, mxfp8, backend) if backend.laid_out else None
     marker = quantization_config(ckpt, backend, fmt, left, layers, tp, kv)
     return ConversionPlan(
-        source=str(ckpt.root), backend=backend.name, format=fmt.name, shards=shards,
-        modules=tuple(modules), copied_files=ckpt.other_files, marker=marker, indexed=ckpt.indexed,
+        source=str(ckpt.root),
+        backend=backend.name,
+        format=fmt.name,
+        shards=shards,
+        modules=tuple(modules),
+        copied_files=ckpt.other_files,
+        marker=marker,
+        indexed=ckpt.indexed,
         fingerprint=fingerprint(ckpt),
         kept=tuple(m.name for m in modules if m.layout == CANONICAL_LAYOUT and backend.laid_out),
-        moe=tuple(layers), moe_mode=moe, unquantized=tuple(unquantized), dropped=dropped,
-        kv_scales=kv, quantize_towers=quantize_towers,
+        moe=tuple(layers),
+        moe_mode=moe,
+        unquantized=tuple(unquantized),
+        dropped=dropped,
+        kv_scales=kv,
+        quantize_towers=quantize_towers,
     )
 
 
@@ -320,8 +434,10 @@ def marker_tp_compat(ckpt: SourceCheckpoint, modules, backend: BackendSpec) -> l
     every quantized linear module slices on tile boundaries."""
     from mxfp8_convert.engines.common import CANONICAL, Module, config_kv_heads, tp_compat
 
-    mods = [Module(m.name, m.n, m.k, CANONICAL if m.layout == "canonical" else backend.name)
-            for m in modules]
+    mods = [
+        Module(m.name, m.n, m.k, CANONICAL if m.layout == "canonical" else backend.name)
+        for m in modules
+    ]
     return tp_compat(mods, config_kv_heads(ckpt.config or {}), backend.name)
 
 
@@ -337,15 +453,20 @@ def moe_marker(layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...]) -> MoeMark
     """The marker's ``moe`` entry (docs/FORMAT.md section 2): None without fused MoE tensors."""
     if not layers:
         return None
-    return MoeMarker(experts_suffixes=layers[0].suffixes,
-                     layers=tuple(layer.name for layer in layers))
+    return MoeMarker(
+        experts_suffixes=layers[0].suffixes, layers=tuple(layer.name for layer in layers)
+    )
 
 
-def quantization_config(ckpt: SourceCheckpoint, backend: BackendSpec, fmt: FormatSpec,
-                        ignored: list[str],
-                        moe_layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...] = (),
-                        tp_compat: list[int] | None = None,
-                        kv_scales: tuple[str, ...] = ()) -> dict:
+def quantization_config(
+    ckpt: SourceCheckpoint,
+    backend: BackendSpec,
+    fmt: FormatSpec,
+    ignored: list[str],
+    moe_layers: list[MoELayerPlan] | tuple[MoELayerPlan, ...] = (),
+    tp_compat: list[int] | None = None,
+    kv_scales: tuple[str, ...] = (),
+) -> dict:
     """The ``quantization_config`` of the output: the marker (docs/FORMAT.md section 2), or plain
     MXFP8's for the canonical backend. ``ignored``: exact names of the linear modules left
     unquantized; ``kv_scales``: the KV-cache scales kept (their scheme goes with them)."""
@@ -355,6 +476,14 @@ def quantization_config(ckpt: SourceCheckpoint, backend: BackendSpec, fmt: Forma
         kv = kv_cache_scheme(ckpt.config or {}, ckpt.hf_quant_config or {})
     if not backend.laid_out:
         return canonical_config(original, ignored, kv)
-    return make_marker(backend.name, dialect=fmt.name, fingerprint=fingerprint(ckpt),
-                       tool_version=__version__, ignored_layers=ignored, moe=moe_marker(moe_layers),
-                       original=original, tp_compat=tp_compat, kv_cache_scheme=kv).to_dict()
+    return make_marker(
+        backend.name,
+        dialect=fmt.name,
+        fingerprint=fingerprint(ckpt),
+        tool_version=__version__,
+        ignored_layers=ignored,
+        moe=moe_marker(moe_layers),
+        original=original,
+        tp_compat=tp_compat,
+        kv_cache_scheme=kv,
+    ).to_dict()

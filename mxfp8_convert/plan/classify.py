@@ -36,8 +36,9 @@ def _matches_any(module: str, patterns: list[str]) -> bool:
 def _matches(module: str, pattern: str) -> bool:
     """``--ignore`` semantics: the checkpoint's module name (tensor name less ``.weight``) equals
     the pattern, matches it as an fnmatch pattern, or ends with ``.PATTERN``."""
-    return (module == pattern or fnmatch.fnmatchcase(module, pattern)
-            or module.endswith("." + pattern))
+    return (
+        module == pattern or fnmatch.fnmatchcase(module, pattern) or module.endswith("." + pattern)
+    )
 
 
 def module_names(ckpt: SourceCheckpoint) -> set[str]:
@@ -54,49 +55,69 @@ def resolve_ignore(ckpt: SourceCheckpoint, patterns: list[str], *, strict: bool 
     Raises:
         FormatError: ``strict`` and a pattern matches no module of the checkpoint.
     """
+    if not patterns:
+        return set()
     names = module_names(ckpt)
     out: set[str] = set()
     for p in patterns:
         hits = {n for n in names if _matches(n, p)}
         if not hits and strict:
-            raise FormatError(f"--ignore {p!r} matches no module of {ckpt.root}",
-                              hint="patterns match the checkpoint's own names (tensor names less "
-                                   "'.weight'; `inspect` lists them), e.g. 'model.visual.*'")
+            raise FormatError(
+                f"--ignore {p!r} matches no module of {ckpt.root}",
+                hint="patterns match the checkpoint's own names (tensor names less "
+                "'.weight'; `inspect` lists them), e.g. 'model.visual.*'",
+            )
         out |= hits
     return out
 
 
-def find_modules(ckpt: SourceCheckpoint, fmt: FormatSpec,
-                 ignore) -> list[tuple[str, TensorInfo, TensorInfo | None]]:
+def find_modules(
+    ckpt: SourceCheckpoint, fmt: FormatSpec, ignore
+) -> list[tuple[str, TensorInfo, TensorInfo | None]]:
     """Pair each quantized weight with its scale; for dense sources, each weight the
     architecture (or the name rules) calls a linear of the language model. ``ignore``: module
     names (or patterns) left out."""
     if fmt.kind == "dense":
         arch = dense_architecture(ckpt)
-        return sorted((module_of(n), i, None) for n, i in ckpt.tensors.items()
-                      if n.endswith(".weight") and i.dtype in FLOAT_DTYPES and len(i.shape) == 2
-                      and arch.decide(n, i.shape).quantized
-                      and not _matches_any(module_of(n), list(ignore)))
+        return sorted(
+            (module_of(n), i, None)
+            for n, i in ckpt.tensors.items()
+            if n.endswith(".weight")
+            and i.dtype in FLOAT_DTYPES
+            and len(i.shape) == 2
+            and arch.decide(n, i.shape).quantized
+            and not _matches_any(module_of(n), list(ignore))
+        )
     pairs = _quantized_pairs(ckpt, fmt)
     return [(m, w, s) for m, w, s in pairs if not _matches_any(m, list(ignore))]
 
 
-def _quantized_pairs(ckpt: SourceCheckpoint,
-                     fmt: FormatSpec) -> list[tuple[str, TensorInfo, TensorInfo]]:
+def _quantized_pairs(
+    ckpt: SourceCheckpoint, fmt: FormatSpec
+) -> list[tuple[str, TensorInfo, TensorInfo]]:
     tensors = ckpt.tensors
     out = []
     suffixes = _scale_suffixes(fmt)
+    dotted = tuple("." + x for x in suffixes)
     for name, info in tensors.items():
-        for suffix in suffixes:
-            if name.endswith("." + suffix) and name[: -len(suffix)] + "weight" not in tensors:
-                raise SourceError(f"{info.file}: scale {name!r} has no weight {name[: -len(suffix)] + 'weight'!r}")
-        if not name.endswith(".weight") or info.dtype != "F8_E4M3":
+        if name.endswith(dotted):  # one test of every name against all the suffixes
+            for suffix in suffixes:
+                weight = name[: -len(suffix)] + "weight"
+                if name.endswith("." + suffix) and weight not in tensors:
+                    raise SourceError(f"{info.file}: scale {name!r} has no weight {weight!r}")
+        if info.dtype != "F8_E4M3" or not name.endswith(".weight"):
             continue
         module = name[: -len(".weight")]
-        scale = next((tensors[f"{module}.{x}"] for x in suffixes if f"{module}.{x}" in tensors), None)
+        scale = None
+        for x in suffixes:
+            scale = tensors.get(f"{module}.{x}")
+            if scale is not None:
+                break
         if scale is None:
-            raise SourceError(f"{info.file}: weight {name!r} is float8_e4m3fn but has no scale "
-                              f"{module + '.' + suffixes[0]!r}")
+            raise SourceError(
+                f"{info.file}: weight {name!r} is float8_e4m3fn but has no scale "
+                f"{module + '.' + suffixes[0]!r}"
+            )
         out.append((module, info, scale))
     return sorted(out, key=lambda m: m[0])
 
@@ -121,20 +142,38 @@ def _scale_suffixes(fmt: FormatSpec) -> tuple[str, ...]:
 
 
 def _check_mxfp8_pair(w: TensorInfo, s: TensorInfo) -> tuple[int, int]:
+    shape = w.shape
+    if (
+        len(shape) == 2
+        and not shape[1] % 32
+        and s.dtype in UE8M0_DTYPES
+        and s.shape == (shape[0], shape[1] // 32)
+    ):
+        return shape  # every check below passes
     n, k = _check_weight(w)
     if s.dtype not in UE8M0_DTYPES:
-        raise LayoutError(f"{s.file}: scale {s.name!r} has dtype {s.dtype}; MXFP8 scales are U8 or F8_E8M0")
+        raise LayoutError(
+            f"{s.file}: scale {s.name!r} has dtype {s.dtype}; MXFP8 scales are U8 or F8_E8M0"
+        )
     if tuple(s.shape) != (n, k // 32):
-        raise LayoutError(f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; weight {w.name!r} [{n}, {k}] needs [{n}, {k // 32}]")
+        raise LayoutError(
+            f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; weight {w.name!r} "
+            f"[{n}, {k}] needs [{n}, {k // 32}]"
+        )
     return n, k
 
 
 def _check_weight(w: TensorInfo) -> tuple[int, int]:
     if len(w.shape) != 2:
-        raise LayoutError(f"{w.file}: weight {w.name!r} has shape {list(w.shape)}; only 2-D linear weights are supported")
+        raise LayoutError(
+            f"{w.file}: weight {w.name!r} has shape {list(w.shape)}; "
+            "only 2-D linear weights are supported"
+        )
     n, k = w.shape
     if k % 32:
-        raise LayoutError(f"{w.file}: weight {w.name!r} has K={k}, not a multiple of 32 (MXFP8 blocks are 1x32)")
+        raise LayoutError(
+            f"{w.file}: weight {w.name!r} has K={k}, not a multiple of 32 (MXFP8 blocks are 1x32)"
+        )
     return n, k
 
 
@@ -144,8 +183,10 @@ def _check_laid_out_pair(w: TensorInfo, s: TensorInfo, src: BackendSpec) -> tupl
         return _check_mxfp8_pair(w, s)
     want = tuple(src.scale_shape(n, k // 32))
     if s.dtype != "U8" or tuple(s.shape) != want:
-        raise LayoutError(f"{s.file}: scale {s.name!r} is {s.dtype} {list(s.shape)}; a {src.name} scale of "
-                          f"weight {w.name!r} [{n}, {k}] is U8 {list(want)}")
+        raise LayoutError(
+            f"{s.file}: scale {s.name!r} is {s.dtype} {list(s.shape)}; a {src.name} scale of "
+            f"weight {w.name!r} [{n}, {k}] is U8 {list(want)}"
+        )
     return n, k
 
 
@@ -154,15 +195,21 @@ def _check_fp8_pair(fmt: FormatSpec, w: TensorInfo, s: TensorInfo) -> tuple[int,
     be a multiple of 32: the backend check says what becomes of such a module."""
     n, k = _check_2d(w)
     if s.dtype not in FLOAT_DTYPES:
-        raise LayoutError(f"{s.file}: scale {s.name!r} has dtype {s.dtype}; FP8 scales are floating point")
+        raise LayoutError(
+            f"{s.file}: scale {s.name!r} has dtype {s.dtype}; FP8 scales are floating point"
+        )
     if fmt.kind == "block_fp8":
         want = (-(-n // 128), -(-k // 128))
         if tuple(s.shape) != want:
-            raise LayoutError(f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; weight {w.name!r} "
-                              f"[{n}, {k}] with 128x128 blocks needs {list(want)}")
+            raise LayoutError(
+                f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; weight {w.name!r} "
+                f"[{n}, {k}] with 128x128 blocks needs {list(want)}"
+            )
     elif math.prod(s.shape) not in (1, n) or len(s.shape) > 2:
-        raise LayoutError(f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; per-tensor or per-channel "
-                          f"scales of weight {w.name!r} [{n}, {k}] are [], [1], [{n}] or [{n}, 1]")
+        raise LayoutError(
+            f"{s.file}: scale {s.name!r} has shape {list(s.shape)}; per-tensor or per-channel "
+            f"scales of weight {w.name!r} [{n}, {k}] are [], [1], [{n}] or [{n}, 1]"
+        )
     return n, k
 
 
@@ -200,8 +247,10 @@ def _classify(fmt, src, w, s, lossless: dict[str, bool]) -> tuple[int, int, str]
 def _check_2d(w: TensorInfo) -> tuple[int, int]:
     """``[N, K]`` of a weight whose K need not fit MXFP8 blocks (the backend check says so)."""
     if len(w.shape) != 2:
-        raise LayoutError(f"{w.file}: weight {w.name!r} has shape {list(w.shape)}; "
-                          "only 2-D linear weights are supported")
+        raise LayoutError(
+            f"{w.file}: weight {w.name!r} has shape {list(w.shape)}; "
+            "only 2-D linear weights are supported"
+        )
     return w.shape
 
 
@@ -213,38 +262,89 @@ class _Found:
     unquantized: list[Unquantized]
 
 
-def candidates(ckpt, fmt, src: BackendSpec | None, backend: BackendSpec, ignored: set[str],
-                towers: bool, lossless: dict[str, bool] | None = None) -> _Found:
+def candidates(
+    ckpt,
+    fmt,
+    src: BackendSpec | None,
+    backend: BackendSpec,
+    ignored: set[str],
+    towers: bool,
+    lossless: dict[str, bool] | None = None,
+) -> _Found:
     """Every linear module of the source, classified and planned for ``backend`` before its
     constraints are checked, and every other weight with why it is left as it is. Ignored
     modules of a quantized source are planned dequantized."""
     if fmt.kind == "dense":
         return _dense_candidates(ckpt, backend, ignored, towers)
-    out, unq = [], []
+    classified, unq = _classified(ckpt, fmt, src, lossless)
+    out = []
+    layout, kind = backend.weight_layout, fmt.kind
+    for module, w, s, n, k, action, src_name in classified:
+        m = ModulePlan(module, n, k, w, s, action, layout, None, kind, src_name)
+        out.append(dequantized(m, "--ignore") if module in ignored else m)
+    if src is not None:
+        out += unfused_experts(ckpt, fmt, src, backend, ignored)
+    return _Found(out, list(unq))
+
+
+#: the last ``_classified`` result, for the next plan of the same checkpoint object (``inspect``
+#: plans every backend): ``[ckpt, lossless, key, result]``, the first two compared by identity
+_CLASSIFIED: list = []
+
+
+def _classified(ckpt, fmt, src: BackendSpec | None, lossless: dict[str, bool] | None):
+    """The backend-independent part of ``candidates`` for a quantized source: every pair with
+    its ``(module, weight, scale, N, K, action, source backend)``, and the weights left as
+    they are. Kept for the same checkpoint object, format and scale facts."""
+    key = (fmt.name, src.name if src is not None else None)
+    memo = _CLASSIFIED
+    if memo and memo[0] is ckpt and memo[1] is lossless and memo[2] == key:
+        return memo[3]
+    given = lossless
     pairs = _quantized_pairs(ckpt, fmt)
     if fmt.kind in ("block_fp8", "fp8"):
         for _, w, s in pairs:  # shapes first: a bad pair fails before any scale is read
             _check_fp8_pair(fmt, w, s)
         if lossless is None:
             lossless = pow2_scales(ckpt.root, [s for _, _, s in pairs])
+    out = []
     for module, w, s in pairs:
         n, k, action = _classify(fmt, src, w, s, lossless)
         src_name = src.name if src is not None and s.name.endswith("." + SWIZZLED_SUFFIX) else None
-        m = ModulePlan(module, n, k, w, s, action, backend.weight_layout, None, fmt.kind, src_name)
-        out.append(dequantized(m, "--ignore") if module in ignored else m)
-    if src is not None:
-        out += unfused_experts(ckpt, fmt, src, backend, ignored)
-    consumed = {t.name for m in out for t in (m.weight, m.scale) if t is not None}
+        out.append((module, w, s, n, k, action, src_name))
+    consumed = {t.name for _, w, s in pairs for t in (w, s)}
+    if src is not None:  # the fused MoE tensors a laid-out source holds are un-fused
+        consumed |= {
+            t.name
+            for tensors in fused_moe_blocks(ckpt).values()
+            for t in tensors.values()
+            if t is not None
+        }
+    unq = _left_as_they_are(ckpt, consumed)
+    memo[:] = [ckpt, given, key, (out, unq)]
+    return out, unq
+
+
+def _left_as_they_are(ckpt: SourceCheckpoint, consumed: set[str]) -> list[Unquantized]:
+    """The float weights of a quantized source that no module takes, and their kinds."""
+    unq = []
     rules = NameRules("not quantized in the source")
-    for name, info in sorted(ckpt.tensors.items()):
-        if name in consumed or info.dtype not in FLOAT_DTYPES or len(info.shape) not in (2, 3):
-            continue
-        if len(info.shape) == 2 and not name.endswith(".weight"):
-            continue
-        d = rules.decide(name[: -len(".weight")] if name.endswith(".weight") else name, info.shape)
-        unq.append(Unquantized(module_of(name), info.shape, d.kind, "not quantized in the source",
-                               "source"))
-    return _Found(out, unq)
+    left = sorted(
+        name
+        for name, info in ckpt.tensors.items()
+        if name not in consumed
+        and info.dtype in FLOAT_DTYPES
+        and (len(info.shape) == 3 or len(info.shape) == 2 and name.endswith(".weight"))
+    )
+    for name in left:
+        info = ckpt.tensors[name]
+        d = rules.decide(module_of(name), info.shape)
+        unq.append(
+            Unquantized(
+                module_of(name), info.shape, d.kind, "not quantized in the source", "source"
+            )
+        )
+    return unq
 
 
 def _dense_candidates(ckpt, backend: BackendSpec, ignored: set[str], towers: bool) -> _Found:
@@ -270,8 +370,21 @@ def _dense_candidates(ckpt, backend: BackendSpec, ignored: set[str], towers: boo
             unq += found.unquantized
         elif len(info.shape) == 2:
             n, k = info.shape
-            out.append(ModulePlan(module, n, k, info, None, "quantize", backend.weight_layout, None,
-                                  "dense", None, decided_by=d.basis))
+            out.append(
+                ModulePlan(
+                    module,
+                    n,
+                    k,
+                    info,
+                    None,
+                    "quantize",
+                    backend.weight_layout,
+                    None,
+                    "dense",
+                    None,
+                    decided_by=d.basis,
+                )
+            )
     return _Found(out, unq)
 
 
@@ -289,11 +402,15 @@ class StackedLayout:
 #: (K is axis 1: the modules compute ``x @ W[e]``)
 STACKED_EXPERTS = {
     # Llama-4: gate_up.chunk(2, dim=-1): gate first (Llama4TextExperts)
-    "llama4_text": StackedLayout({"gate_up_proj": (("gate", "first"), ("up", "second")),
-                                  "down_proj": (("down", "all"),)}, fusable=True),
+    "llama4_text": StackedLayout(
+        {"gate_up_proj": (("gate", "first"), ("up", "second")), "down_proj": (("down", "all"),)},
+        fusable=True,
+    ),
     # gpt-oss: gate_up[..., ::2], gate_up[..., 1::2]; clamped SwiGLU with biases (GptOssExperts)
-    "gpt_oss": StackedLayout({"gate_up_proj": (("gate", "even"), ("up", "odd")),
-                              "down_proj": (("down", "all"),)}, fusable=False),
+    "gpt_oss": StackedLayout(
+        {"gate_up_proj": (("gate", "even"), ("up", "odd")), "down_proj": (("down", "all"),)},
+        fusable=False,
+    ),
 }
 STACKED_EXPERTS["llama4"] = STACKED_EXPERTS["llama4_text"]
 _STACKED_NAMES = {"gate": "gate_proj", "up": "up_proj", "down": "down_proj"}
@@ -321,21 +438,40 @@ def _stacked_experts(ckpt, name: str, info: TensorInfo, backend: BackendSpec, d)
     h, i = text.get("hidden_size"), text.get("intermediate_size")
     want = (h, 2 * i) if tensor == "gate_up_proj" else (i, h)
     if not isinstance(h, int) or not isinstance(i, int) or (k, cols) != want:
-        why = (f"stacked experts [E, K, N] = {list(info.shape)} do not fit hidden_size={h}, "
-               f"intermediate_size={i} of config.json; left as they are")
+        why = (
+            f"stacked experts [E, K, N] = {list(info.shape)} do not fit hidden_size={h}, "
+            f"intermediate_size={i} of config.json; left as they are"
+        )
         return _Found([], [Unquantized(name, info.shape, "stacked_experts", why, d.basis)])
     n = cols // len(projs)
-    out = [ModulePlan(f"{block}.{x}.{_STACKED_NAMES[proj]}", n, k, expert_slice(info, x), None,
-                      "quantize", backend.weight_layout, None, "dense", None, decided_by=d.basis,
-                      stacked=StackedSlice(proj, x, sel, layout.fusable))
-           for x in range(e) for proj, sel in projs]
+    out = [
+        ModulePlan(
+            f"{block}.{x}.{_STACKED_NAMES[proj]}",
+            n,
+            k,
+            expert_slice(info, x),
+            None,
+            "quantize",
+            backend.weight_layout,
+            None,
+            "dense",
+            None,
+            decided_by=d.basis,
+            stacked=StackedSlice(proj, x, sel, layout.fusable),
+        )
+        for x in range(e)
+        for proj, sel in projs
+    ]
     return _Found(out, [])
 
 
-
-
-def fit(m: ModulePlan, backend: BackendSpec, on_ineligible: str, offenders: list[str],
-         unquantized: list[Unquantized]) -> ModulePlan | None:
+def fit(
+    m: ModulePlan,
+    backend: BackendSpec,
+    on_ineligible: str,
+    offenders: list[str],
+    unquantized: list[Unquantized],
+) -> ModulePlan | None:
     """``m`` if ``backend`` takes it; else (``keep``) ``m`` kept canonical, or, where K has no
     1x32 blocks, left in the source's precision (dense: as it is, quantized: dequantized);
     else None (noted in ``offenders``)."""
@@ -350,12 +486,11 @@ def fit(m: ModulePlan, backend: BackendSpec, on_ineligible: str, offenders: list
     if m.k % 32 == 0:
         return kept(m, "; ".join(bad))
     if m.source_kind == "dense":
-        unquantized.append(Unquantized(m.name, (m.n, m.k), "ineligible", "; ".join(bad),
-                                       m.decided_by))
+        unquantized.append(
+            Unquantized(m.name, (m.n, m.k), "ineligible", "; ".join(bad), m.decided_by)
+        )
         return None
     return dequantized(m, "; ".join(bad))
-
-
 
 
 #: config.json ``torch_dtype`` / ``dtype`` -> the safetensors dtype dequantized weights take
@@ -370,4 +505,3 @@ def model_dtype(cfg: dict | None) -> str:
             if c.get(key) in MODEL_DTYPES:
                 return MODEL_DTYPES[c[key]]
     return "BF16"
-

@@ -75,10 +75,16 @@ class ModulePlan:
 
     def to_dict(self) -> dict:
         return {
-            "name": self.name, "shape": [self.n, self.k], "action": self.action,
-            "layout": self.layout, "reason": self.reason, "source_kind": self.source_kind,
-            "source_backend": self.source_backend, "decided_by": self.decided_by,
-            "weight": self.weight.name, "scale": self.scale.name if self.scale else None,
+            "name": self.name,
+            "shape": [self.n, self.k],
+            "action": self.action,
+            "layout": self.layout,
+            "reason": self.reason,
+            "source_kind": self.source_kind,
+            "source_backend": self.source_backend,
+            "decided_by": self.decided_by,
+            "weight": self.weight.name,
+            "scale": self.scale.name if self.scale else None,
         }
 
 
@@ -107,8 +113,13 @@ class Unquantized:
     decided_by: str
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "shape": list(self.shape), "kind": self.kind, "why": self.why,
-                "decided_by": self.decided_by}
+        return {
+            "name": self.name,
+            "shape": list(self.shape),
+            "kind": self.kind,
+            "why": self.why,
+            "decided_by": self.decided_by,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -131,8 +142,10 @@ class MoELayerPlan:
 
     def __post_init__(self) -> None:
         if not len(self.gate) == len(self.up) == len(self.down) == self.experts:
-            raise LayoutError(f"{self.name}: {self.experts} experts but {len(self.gate)} gate, "
-                              f"{len(self.up)} up and {len(self.down)} down projections (bug)")
+            raise LayoutError(
+                f"{self.name}: {self.experts} experts but {len(self.gate)} gate, "
+                f"{len(self.up)} up and {len(self.down)} down projections (bug)"
+            )
 
     @property
     def modules(self) -> tuple[ModulePlan, ...]:
@@ -151,10 +164,17 @@ class MoELayerPlan:
         return {r: self.module(r, 0).name.rsplit(".", 1)[1] for r in EXPERT_ROLES}
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "experts": self.experts, "hidden": self.hidden,
-                "intermediate": self.intermediate, "layout": MOE_LAYOUT, "shard": self.shard,
-                "action": self.gate[0].action, "experts_suffixes": self.suffixes,
-                "tensors": [self.tensor_name(r) for r in MOE_TENSORS]}
+        return {
+            "name": self.name,
+            "experts": self.experts,
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "layout": MOE_LAYOUT,
+            "shard": self.shard,
+            "action": self.gate[0].action,
+            "experts_suffixes": self.suffixes,
+            "tensors": [self.tensor_name(r) for r in MOE_TENSORS],
+        }
 
 
 #: what happens to a linear module
@@ -165,7 +185,7 @@ ACTIONS = {
     "requantize": "FP8 dequantized and requantized to MXFP8 (error reported)",
     "quantize": "high-precision weight quantized to MXFP8 (error reported)",
     "dequantize": "quantized source weight written dequantized in the model's dtype (ignored, "
-                  "or no MXFP8 layout fits it)",
+    "or no MXFP8 layout fits it)",
 }
 #: actions that write an MXFP8 module (a run with none of them converts nothing)
 MXFP8_ACTIONS = ("relayout", "keep", "lossless", "requantize", "quantize")
@@ -190,13 +210,14 @@ class TensorPlan:
     module: str | None = None
     logical_shape: tuple[int, ...] | None = None  # scales: canonical [N, K/32]
     reason: str | None = None  # kept canonical: why (recorded, docs/FORMAT.md section 3)
+    #: bytes of the tensor, computed once: shard packing and progress read it often
+    nbytes: int = field(init=False, repr=False, compare=False)
 
-    @property
-    def nbytes(self) -> int:
+    def __post_init__(self) -> None:
         n = itemsize(self.dtype)
         for d in self.shape:
             n *= d
-        return n
+        object.__setattr__(self, "nbytes", n)
 
     def record(self) -> dict:
         """The per-tensor entry of the shard metadata (docs/FORMAT.md section 3)."""
@@ -208,7 +229,9 @@ class TensorPlan:
         else:
             n, c = self.logical_shape
             rec["logical_shape"] = [n, c]
-            rec["padded_shape"] = [ceil_to(n, 128), ceil_to(c, 4)] if self.layout != CANONICAL_LAYOUT else [n, c]
+            rec["padded_shape"] = (
+                [ceil_to(n, 128), ceil_to(c, 4)] if self.layout != CANONICAL_LAYOUT else [n, c]
+            )
             rec["tile_shape"] = list(self.shape)
         if self.reason is not None:
             rec["reason"] = self.reason
@@ -224,12 +247,21 @@ class TensorPlan:
             cols = c * 32
             rec["logical_shape"] = list(self.logical_shape)
             rec["tile_shape"] = list(self.shape)
-        hidden, intermediate = (cols, rows // 2) if self.role.startswith("moe_fc1") else (rows, cols)
+        hidden, intermediate = (
+            (cols, rows // 2) if self.role.startswith("moe_fc1") else (rows, cols)
+        )
         return {**rec, "experts": e, "hidden": hidden, "intermediate": intermediate}
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "role": self.role, "dtype": self.dtype, "shape": list(self.shape),
-                "layout": self.layout, "source": self.source, "nbytes": self.nbytes}
+        return {
+            "name": self.name,
+            "role": self.role,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "layout": self.layout,
+            "source": self.source,
+            "nbytes": self.nbytes,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -248,8 +280,11 @@ class ShardPlan:
         object.__setattr__(self, "nbytes", sum(t.nbytes for t in self.tensors))
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "nbytes": self.nbytes,
-                "tensors": [t.to_dict() for t in self.tensors]}
+        return {
+            "name": self.name,
+            "nbytes": self.nbytes,
+            "tensors": [t.to_dict() for t in self.tensors],
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -278,24 +313,31 @@ class ConversionPlan:
     def __post_init__(self) -> None:
         object.__setattr__(self, "nbytes", sum(s.nbytes for s in self.shards))
 
-    def to_dict(self) -> dict:
+    def modules_by_action(self) -> dict[str, int]:
+        """Action -> how many modules (fused MoE experts included) take it."""
         actions: dict[str, int] = {}
         for m in (*self.modules, *(m for layer in self.moe for m in layer.modules)):
             actions[m.action] = actions.get(m.action, 0) + 1
+        return actions
+
+    def to_dict(self) -> dict:
         return {
-            "source": self.source, "backend": self.backend, "format": self.format,
-            "total_bytes": self.nbytes, "modules_by_action": actions, "kept_canonical": list(self.kept),
+            "source": self.source,
+            "backend": self.backend,
+            "format": self.format,
+            "total_bytes": self.nbytes,
+            "modules_by_action": self.modules_by_action(),
+            "kept_canonical": list(self.kept),
             "moe_layers": [layer.to_dict() for layer in self.moe],
             "modules": [m.to_dict() for m in self.modules],
-            "shards": [s.to_dict() for s in self.shards], "copied_files": list(self.copied_files),
+            "shards": [s.to_dict() for s in self.shards],
+            "copied_files": list(self.copied_files),
             "source_fingerprint": self.fingerprint,
             "marker": self.marker,
             "unquantized": [u.to_dict() for u in self.unquantized],
             "dropped_tensors": list(self.dropped),
             "kv_cache_scales": list(self.kv_scales),
         }
-
-
 
 
 def module_of(name: str) -> str:
@@ -306,8 +348,21 @@ def module_of(name: str) -> str:
 def revised(m: ModulePlan, *, action: str, layout: str, reason: str | None) -> ModulePlan:
     """``m`` with another action, layout and reason. (``dataclasses.replace`` looks the fields
     up on every call, and this runs once per expert of every MoE block.)"""
-    return ModulePlan(m.name, m.n, m.k, m.weight, m.scale, action, layout, reason, m.source_kind,
-                      m.source_backend, m.fused, m.decided_by, m.stacked)
+    return ModulePlan(
+        m.name,
+        m.n,
+        m.k,
+        m.weight,
+        m.scale,
+        action,
+        layout,
+        reason,
+        m.source_kind,
+        m.source_backend,
+        m.fused,
+        m.decided_by,
+        m.stacked,
+    )
 
 
 def dequantized(m: ModulePlan, reason: str) -> ModulePlan:

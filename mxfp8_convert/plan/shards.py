@@ -42,7 +42,9 @@ def shard_size_bytes(value: int | str) -> int:
         try:
             size = int(TypeAdapter(ByteSize).validate_python(str(value).strip()))
         except ValidationError:
-            raise FormatError(f"--max-shard-size {value!r} is not a size like 5GB or 4GiB") from None
+            raise FormatError(
+                f"--max-shard-size {value!r} is not a size like 5GB or 4GiB"
+            ) from None
     if size <= 0:
         raise FormatError(f"--max-shard-size must be positive, got {value!r}")
     return size
