@@ -47,17 +47,32 @@ def layer_tensors(i: int, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
     for name, n, k in ATTN:
         out += _linear(f"{p}.{name}", n, k, fmt)
     if i < DENSE_LAYERS:
-        return out + _linear(f"{p}.mlp.gate_proj", I_DENSE, H, fmt) + _linear(f"{p}.mlp.up_proj", I_DENSE, H, fmt) \
+        return (
+            out
+            + _linear(f"{p}.mlp.gate_proj", I_DENSE, H, fmt)
+            + _linear(f"{p}.mlp.up_proj", I_DENSE, H, fmt)
             + _linear(f"{p}.mlp.down_proj", H, I_DENSE, fmt)
-    out += [(f"{p}.mlp.gate.weight", "BF16", (EXPERTS, H)), (f"{p}.mlp.gate.e_score_correction_bias", "F32", (EXPERTS,))]
+        )
+    out += [
+        (f"{p}.mlp.gate.weight", "BF16", (EXPERTS, H)),
+        (f"{p}.mlp.gate.e_score_correction_bias", "F32", (EXPERTS,)),
+    ]
     for e in [*range(EXPERTS), "shared"]:
         q = f"{p}.mlp.shared_experts" if e == "shared" else f"{p}.mlp.experts.{e}"
-        out += _linear(f"{q}.gate_proj", I_MOE, H, fmt) + _linear(f"{q}.up_proj", I_MOE, H, fmt) \
+        out += (
+            _linear(f"{q}.gate_proj", I_MOE, H, fmt)
+            + _linear(f"{q}.up_proj", I_MOE, H, fmt)
             + _linear(f"{q}.down_proj", H, I_MOE, fmt)
+        )
     if i == LAYERS:  # the MTP layer
-        out += [(f"{p}.embed_tokens.weight", "BF16", (VOCAB, H)), (f"{p}.enorm.weight", "BF16", (H,)),
-                (f"{p}.hnorm.weight", "BF16", (H,)), (f"{p}.eh_proj.weight", "BF16", (H, 2 * H)),
-                (f"{p}.shared_head.norm.weight", "BF16", (H,)), (f"{p}.shared_head.head.weight", "BF16", (VOCAB, H))]
+        out += [
+            (f"{p}.embed_tokens.weight", "BF16", (VOCAB, H)),
+            (f"{p}.enorm.weight", "BF16", (H,)),
+            (f"{p}.hnorm.weight", "BF16", (H,)),
+            (f"{p}.eh_proj.weight", "BF16", (H, 2 * H)),
+            (f"{p}.shared_head.norm.weight", "BF16", (H,)),
+            (f"{p}.shared_head.head.weight", "BF16", (VOCAB, H)),
+        ]
     return out
 
 
@@ -76,30 +91,60 @@ def _nbytes(t) -> int:
 
 
 def config(fmt: str, layers: int) -> dict:
-    q = ({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic", "weight_block_size": [128, 128]}
-         if fmt == "block_fp8" else
-         {"quant_method": "mxfp8", "fmt": "e4m3", "weight_block_size": [1, 32], "scale_fmt": "ue8m0",
-          "activation_scheme": "dynamic"})
-    return {"architectures": ["DeepseekV3ForCausalLM"], "model_type": "deepseek_v3", "hidden_size": H,
-            "intermediate_size": I_DENSE, "moe_intermediate_size": I_MOE, "n_routed_experts": EXPERTS,
-            "n_shared_experts": 1, "num_hidden_layers": min(layers, LAYERS), "first_k_dense_replace": DENSE_LAYERS,
-            "num_attention_heads": 128, "q_lora_rank": 1536, "kv_lora_rank": 512, "qk_nope_head_dim": 128,
-            "qk_rope_head_dim": 64, "v_head_dim": 128, "vocab_size": VOCAB, "num_nextn_predict_layers": 1,
-            "quantization_config": q}
+    q = (
+        {
+            "quant_method": "fp8",
+            "fmt": "e4m3",
+            "activation_scheme": "dynamic",
+            "weight_block_size": [128, 128],
+        }
+        if fmt == "block_fp8"
+        else {
+            "quant_method": "mxfp8",
+            "fmt": "e4m3",
+            "weight_block_size": [1, 32],
+            "scale_fmt": "ue8m0",
+            "activation_scheme": "dynamic",
+        }
+    )
+    return {
+        "architectures": ["DeepseekV3ForCausalLM"],
+        "model_type": "deepseek_v3",
+        "hidden_size": H,
+        "intermediate_size": I_DENSE,
+        "moe_intermediate_size": I_MOE,
+        "n_routed_experts": EXPERTS,
+        "n_shared_experts": 1,
+        "num_hidden_layers": min(layers, LAYERS),
+        "first_k_dense_replace": DENSE_LAYERS,
+        "num_attention_heads": 128,
+        "q_lora_rank": 1536,
+        "kv_lora_rank": 512,
+        "qk_nope_head_dim": 128,
+        "qk_rope_head_dim": 64,
+        "v_head_dim": 128,
+        "vocab_size": VOCAB,
+        "num_nextn_predict_layers": 1,
+        "quantization_config": q,
+    }
 
 
 def main() -> None:
     ap = argparse.ArgumentParser()
     ap.add_argument("dir")
     ap.add_argument("--format", choices=["block_fp8", "mxfp8"], default="block_fp8")
-    ap.add_argument("--layers", type=int, default=LAYERS + 1, help="layers kept (default all 62, MTP included)")
+    ap.add_argument(
+        "--layers", type=int, default=LAYERS + 1, help="layers kept (default all 62, MTP included)"
+    )
     ap.add_argument("--scales", choices=["real", "holes"], default="real")
     args = ap.parse_args()
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
     tensors = all_tensors(args.format, args.layers)
     total = sum(_nbytes(t) for t in tensors)
-    shards = SHARDS if args.layers > LAYERS else max(1, round(total / 4.3e9))  # the Hub shards: ~4.3 GB
+    shards = (
+        SHARDS if args.layers > LAYERS else max(1, round(total / 4.3e9))
+    )  # the Hub shards: ~4.3 GB
     rng = np.random.default_rng(0)
 
     def data(name: str, dtype: str, shape) -> bytes | None:
@@ -122,7 +167,10 @@ def main() -> None:
     write_index(root, weight_map, total)
     (root / "config.json").write_text(json.dumps(config(args.format, args.layers), indent=1))
     fp8 = sum(1 for t in tensors if t[1] == "F8_E4M3")
-    print(f"{root}: {len(tensors)} tensors ({fp8} FP8 weights), {len(groups)} shards, {total / 1e9:.1f} GB of tensors")
+    print(
+        f"{root}: {len(tensors)} tensors ({fp8} FP8 weights), {len(groups)} shards, "
+        f"{total / 1e9:.1f} GB of tensors"
+    )
 
 
 if __name__ == "__main__":

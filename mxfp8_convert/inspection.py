@@ -36,8 +36,13 @@ class ModuleReport:
     backends: dict[str, list[str]]  # backend -> violations (empty: it can take it)
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "shape": self.shape, "weight_dtype": self.weight_dtype, "layout": self.layout,
-                "backends": {b: {"ok": not v, "why_not": v} for b, v in self.backends.items()}}
+        return {
+            "name": self.name,
+            "shape": self.shape,
+            "weight_dtype": self.weight_dtype,
+            "layout": self.layout,
+            "backends": {b: {"ok": not v, "why_not": v} for b, v in self.backends.items()},
+        }
 
 
 @dataclass(slots=True)
@@ -52,9 +57,18 @@ class MoEReport:
     why_not: list[str]  # empty: the trtllm fused MoE kernel can take this block
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "experts": self.experts, "hidden": self.hidden,
-                "intermediate": self.intermediate, "stored": self.stored,
-                "fused_moe": {"ok": not self.why_not, "why_not": self.why_not, "backends": list(MOE_BACKENDS)}}
+        return {
+            "name": self.name,
+            "experts": self.experts,
+            "hidden": self.hidden,
+            "intermediate": self.intermediate,
+            "stored": self.stored,
+            "fused_moe": {
+                "ok": not self.why_not,
+                "why_not": self.why_not,
+                "backends": list(MOE_BACKENDS),
+            },
+        }
 
 
 @dataclass(slots=True)
@@ -74,14 +88,25 @@ class InspectReport:
     tp_compat: list[int] | None = None
 
     def to_dict(self) -> dict:
-        return {"path": self.path, "format": self.format, "kind": self.kind, "backend": self.backend,
-                "complete": self.complete, "tp_compat": self.tp_compat, "shards": self.shards, "bytes_by_role": self.bytes_by_role,
-                "count_by_role": self.count_by_role, "conversion": self.actions,
-                "moe_layers": [m.to_dict() for m in self.moe],
-                "modules": [m.to_dict() for m in self.modules]}
+        return {
+            "path": self.path,
+            "format": self.format,
+            "kind": self.kind,
+            "backend": self.backend,
+            "complete": self.complete,
+            "tp_compat": self.tp_compat,
+            "shards": self.shards,
+            "bytes_by_role": self.bytes_by_role,
+            "count_by_role": self.count_by_role,
+            "conversion": self.actions,
+            "moe_layers": [m.to_dict() for m in self.moe],
+            "modules": [m.to_dict() for m in self.modules],
+        }
 
 
-def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, revision: str | None = None) -> InspectReport:
+def inspect_checkpoint(
+    path: str | Path, *, source_format: str | None = None, revision: str | None = None
+) -> InspectReport:
     """Describe a source or an output checkpoint (local folder or Hub repo id)."""
     root = resolve_model(str(path), revision=revision)
     ckpt = open_checkpoint(root)
@@ -89,9 +114,14 @@ def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, re
     marker = (ckpt.config or {}).get("quantization_config") or {}
     laid_out = fmt.kind == "laid_out"
     report = InspectReport(
-        path=str(root), format=fmt.name, kind=fmt.kind, backend=marker.get("backend") if laid_out else None,
-        complete=(root / COMPLETE_MARKER).exists() if laid_out else None, shards=len(ckpt.shards),
-        tp_compat=marker.get("tp_compat") if laid_out else None)
+        path=str(root),
+        format=fmt.name,
+        kind=fmt.kind,
+        backend=marker.get("backend") if laid_out else None,
+        complete=(root / COMPLETE_MARKER).exists() if laid_out else None,
+        shards=len(ckpt.shards),
+        tp_compat=marker.get("tp_compat") if laid_out else None,
+    )
     modules = find_modules(ckpt, fmt, [])
     roles: dict[str, str] = {}
     for module, w, s in modules:
@@ -100,8 +130,15 @@ def inspect_checkpoint(path: str | Path, *, source_format: str | None = None, re
             roles[s.name] = "weight_scale"
         n, k = (w.shape + (0, 0))[:2] if len(w.shape) == 2 else (0, 0)
         stored = _stored_as(fmt, report.backend, s)
-        report.modules.append(ModuleReport(module, list(w.shape), w.dtype, stored,
-                                           {b: _why_not(BACKENDS[b], w, n, k) for b in KERNEL_BACKENDS}))
+        report.modules.append(
+            ModuleReport(
+                module,
+                list(w.shape),
+                w.dtype,
+                stored,
+                {b: _why_not(BACKENDS[b], w, n, k) for b in KERNEL_BACKENDS},
+            )
+        )
     report.moe = _per_expert_blocks(report.modules) + _fused_blocks(ckpt, roles)
     for name, info in ckpt.tensors.items():
         role = roles.get(name, "other")
@@ -135,11 +172,14 @@ def _per_expert_blocks(modules: list[ModuleReport]) -> list[MoEReport]:
     out = []
     for block, by in sorted(blocks.items()):
         count = 1 + max(e for e, _ in by)
-        missing = next(((e, r) for e in range(count) for r in EXPERT_ROLES if (e, r) not in by), None)
+        missing = next(
+            ((e, r) for e in range(count) for r in EXPERT_ROLES if (e, r) not in by), None
+        )
         gate = by.get((0, "gate"))
         i, h = gate.shape[:2] if gate is not None and len(gate.shape) == 2 else (None, None)
         why = ([f"expert {missing[0]} has no {missing[1]} projection"] if missing else []) + (
-            moe_shape_violations(h, i) if h is not None else ["expert 0 has no 2-D gate projection"])
+            moe_shape_violations(h, i) if h is not None else ["expert 0 has no 2-D gate projection"]
+        )
         out.append(MoEReport(block, count, h, i, "per-expert", why))
     return out
 
@@ -170,8 +210,9 @@ def _conversion(ckpt, fmt, backend: str, lossless: dict[str, bool] | None) -> st
     """What converting to ``backend`` would do with the modules, in one phrase (the module
     decisions of its plan, ``plan_modules``; the output's tensors need not be laid out)."""
     try:
-        modules, layers, _ = plan_modules(ckpt, BACKENDS[backend], fmt, on_ineligible="keep",
-                                          lossless=lossless)
+        modules, layers, _ = plan_modules(
+            ckpt, BACKENDS[backend], fmt, on_ineligible="keep", lossless=lossless
+        )
     except ConvertError as e:
         return f"not possible: {e}"
     counts: dict[str, int] = {}

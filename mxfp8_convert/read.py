@@ -80,7 +80,12 @@ class TensorInfo(NamedTuple):
     nbytes: int
 
     def to_dict(self) -> dict:
-        return {"name": self.name, "dtype": self.dtype, "shape": list(self.shape), "file": self.file}
+        return {
+            "name": self.name,
+            "dtype": self.dtype,
+            "shape": list(self.shape),
+            "file": self.file,
+        }
 
 
 @dataclass(frozen=True, slots=True)
@@ -151,7 +156,8 @@ def safe_child(root: Path, rel: str, *, what: str) -> Path:
 
 
 def _hub_blobs(real_root: Path) -> Path | None:
-    """``<repo>/blobs`` if ``real_root`` is (inside) a Hub cache snapshot ``<repo>/snapshots/<rev>``.
+    """``<repo>/blobs`` if ``real_root`` is (inside) a Hub cache snapshot
+    ``<repo>/snapshots/<rev>``.
 
     Its files are links ``../../blobs/<hash>`` (huggingface_hub ``_create_symlink``). ``blobs``
     is deliberately not resolved: were it a link itself, no resolved path would have it as a
@@ -201,8 +207,11 @@ def _open_regular(root: Path, rel: str, *, what: str):
     st = os.fstat(fd)
     if not stat.S_ISREG(st.st_mode):
         os.close(fd)
-        kind = ("a directory" if stat.S_ISDIR(st.st_mode)
-                else "not a regular file (pipe, socket or device)")
+        kind = (
+            "a directory"
+            if stat.S_ISDIR(st.st_mode)
+            else "not a regular file (pipe, socket or device)"
+        )
         raise _fail(rel, f"is {kind}, not a {'safetensors' if what == 'shard' else 'regular'} file")
     try:  # what was opened is what was checked: the path, checked again, still names this file
         same = os.path.samestat(os.stat(safe_child(root, rel, what=what)), st)
@@ -254,7 +263,9 @@ def _repeated(obj) -> list[str]:
     return getattr(obj, "repeated", []) if isinstance(obj, dict) else []
 
 
-def _json_loads(raw: bytes, rel: str, what: str = "not valid JSON", *, max_depth: int | None = None):
+def _json_loads(
+    raw: bytes, rel: str, what: str = "not valid JSON", *, max_depth: int | None = None
+):
     """Parse JSON bytes, or raise SourceError ``rel: what``. Objects with repeated keys come back
     as ``_Pairs`` (see ``_repeated``)."""
     try:
@@ -299,7 +310,9 @@ def read_header(root: Path, relpath: str) -> ShardHeader:
                 raise _fail(relpath, f"file is {size} bytes, too short to be safetensors")
             (n,) = struct.unpack("<Q", prefix)
             if n > MAX_HEADER_BYTES or 8 + n > size:
-                raise _fail(relpath, f"header length {n} points past the end of the {size}-byte file")
+                raise _fail(
+                    relpath, f"header length {n} points past the end of the {size}-byte file"
+                )
             raw = f.read(n)
     except OSError as e:
         raise _fail(relpath, f"cannot be read ({_reason(e)})") from None
@@ -307,9 +320,12 @@ def read_header(root: Path, relpath: str) -> ShardHeader:
         raise _fail(relpath, f"file ended inside the {n}-byte header (changed while read?)")
     fast = _fast_header(relpath, raw, data_start=8 + n, size=size)
     if fast is not None:
-        return ShardHeader(relpath=relpath, size=size, raw=prefix + raw, metadata=fast[0],
-                           tensors=fast[1])
-    header = _json_loads(raw, relpath, "header is not valid JSON (truncated or not a safetensors file)")
+        return ShardHeader(
+            relpath=relpath, size=size, raw=prefix + raw, metadata=fast[0], tensors=fast[1]
+        )
+    header = _json_loads(
+        raw, relpath, "header is not valid JSON (truncated or not a safetensors file)"
+    )
     if not isinstance(header, dict):
         raise _fail(relpath, "header is not a JSON object")
     if _repeated(header):
@@ -320,15 +336,18 @@ def read_header(root: Path, relpath: str) -> ShardHeader:
     ):
         raise _fail(relpath, "__metadata__ must map strings to strings")
     tensors = _parse_entries(relpath, header, data_start=8 + n, size=size)
-    return ShardHeader(relpath=relpath, size=size, raw=prefix + raw, metadata=metadata, tensors=tensors)
+    return ShardHeader(
+        relpath=relpath, size=size, raw=prefix + raw, metadata=metadata, tensors=tensors
+    )
 
 
 #: safetensors dtype -> bytes per element
 _ITEMSIZE = {name: size for name, (_, size) in ST_DTYPES.items()}
 
 
-def _fast_header(relpath: str, raw: bytes, *, data_start: int,
-                 size: int) -> tuple[dict[str, str], dict[str, TensorInfo]] | None:
+def _fast_header(
+    relpath: str, raw: bytes, *, data_start: int, size: int
+) -> tuple[dict[str, str], dict[str, TensorInfo]] | None:
     """``(metadata, tensors)`` of a header that passes every check of ``read_header``; None
     at the first thing to report, for the checks that name it (which parse again).
 
@@ -350,7 +369,9 @@ def _fast_header(relpath: str, raw: bytes, *, data_start: int,
     if raw.count(b'"__metadata__"') != (meta is not None):
         return None
     meta = meta or {}
-    if type(meta) is not dict or not all(type(k) is str and type(v) is str for k, v in meta.items()):
+    if type(meta) is not dict or not all(
+        type(k) is str and type(v) is str for k, v in meta.items()
+    ):
         return None
     n = len(top)
     if not raw.count(b'"data_offsets"') == raw.count(b'"dtype"') == raw.count(b'"shape"') == n:
@@ -363,7 +384,12 @@ def _fast_header(relpath: str, raw: bytes, *, data_start: int,
             return None
         dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
         item = _ITEMSIZE.get(dtype) if type(dtype) is str else None
-        if item is None or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        if (
+            item is None
+            or type(shape) is not list
+            or type(offsets) is not list
+            or len(offsets) != 2
+        ):
             return None
         begin, end = offsets
         if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
@@ -386,7 +412,9 @@ def _fast_header(relpath: str, raw: bytes, *, data_start: int,
     return meta, tensors
 
 
-def _parse_entries(relpath: str, header: dict, *, data_start: int, size: int) -> dict[str, TensorInfo]:
+def _parse_entries(
+    relpath: str, header: dict, *, data_start: int, size: int
+) -> dict[str, TensorInfo]:
     tensors: dict[str, TensorInfo] = {}
     spans = []
     for name, entry in header.items():
@@ -397,9 +425,7 @@ def _parse_entries(relpath: str, header: dict, *, data_start: int, size: int) ->
         dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
         if not isinstance(dtype, str) or dtype not in ST_DTYPES:  # a list would be unhashable
             raise _fail(relpath, f"tensor {name!r}: unknown dtype {dtype!r}")
-        if not isinstance(shape, list) or not all(
-            type(d) is int and 0 <= d < 2**48 for d in shape
-        ):
+        if not isinstance(shape, list) or not all(type(d) is int and 0 <= d < 2**48 for d in shape):
             raise _fail(relpath, f"tensor {name!r}: invalid shape {shape!r}")
         if (
             not isinstance(offsets, list)
@@ -422,7 +448,9 @@ def _parse_entries(relpath: str, header: dict, *, data_start: int, size: int) ->
                 f"the {size}-byte file (truncated?)",
             )
         spans.append((offsets[0], offsets[1], name))
-        tensors[name] = TensorInfo(name, dtype, tuple(shape), relpath, data_start + offsets[0], nbytes)
+        tensors[name] = TensorInfo(
+            name, dtype, tuple(shape), relpath, data_start + offsets[0], nbytes
+        )
     spans.sort()
     pos = 0
     for begin, end, name in spans:
@@ -433,7 +461,9 @@ def _parse_entries(relpath: str, header: dict, *, data_start: int, size: int) ->
     return tensors
 
 
-def _load_json(root: Path, rel: str, *, max_bytes: int = MAX_CONFIG_BYTES) -> tuple[object | None, bytes]:
+def _load_json(
+    root: Path, rel: str, *, max_bytes: int = MAX_CONFIG_BYTES
+) -> tuple[object | None, bytes]:
     """``(parsed, raw bytes)`` of JSON file ``root/rel``, or ``(None, b"")`` if there is none.
 
     A link (even a dangling one) counts as present: it must lead inside the folder and to a
@@ -458,16 +488,24 @@ def _shard_names(root: Path) -> tuple[list[str], dict | None]:
     index, _ = _load_json(root, INDEX_NAME, max_bytes=MAX_HEADER_BYTES)
     if index is not None:
         wm = index.get("weight_map") if isinstance(index, dict) else None
-        if not isinstance(wm, dict) or not wm or not all(
-            isinstance(k, str) and isinstance(v, str) for k, v in wm.items()
+        if (
+            not isinstance(wm, dict)
+            or not wm
+            or not all(isinstance(k, str) and isinstance(v, str) for k, v in wm.items())
         ):
-            raise SourceError(f"{INDEX_NAME}: 'weight_map' must be a non-empty object of name -> file")
+            raise SourceError(
+                f"{INDEX_NAME}: 'weight_map' must be a non-empty object of name -> file"
+            )
         if _repeated(wm):
-            raise SourceError(f"{INDEX_NAME}: tensor {_repeated(wm)[0]!r} is listed twice in weight_map")
+            raise SourceError(
+                f"{INDEX_NAME}: tensor {_repeated(wm)[0]!r} is listed twice in weight_map"
+            )
         shards = sorted(set(wm.values()))
         for rel in shards:
             if not rel.endswith(".safetensors"):
-                raise SourceError(f"{INDEX_NAME}: weight_map names {rel!r}, which is not a .safetensors file")
+                raise SourceError(
+                    f"{INDEX_NAME}: weight_map names {rel!r}, which is not a .safetensors file"
+                )
             safe_child(root, rel, what=f"{INDEX_NAME}: shard")
         return shards, wm
     if (root / SINGLE_NAME).exists():
@@ -475,7 +513,9 @@ def _shard_names(root: Path) -> tuple[list[str], dict | None]:
     shards = sorted(p.name for p in root.glob("*.safetensors"))
     if shards:
         return shards, None
-    pickles = sorted(p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES))  # names only
+    pickles = sorted(
+        p.name for p in root.iterdir() if p.name.endswith(PICKLE_SUFFIXES)
+    )  # names only
     if pickles:
         raise SourceError(
             f"{root}: only pickle weights ({pickles[0]}{', ...' if len(pickles) > 1 else ''}); "
@@ -517,7 +557,9 @@ def open_checkpoint(root: str | os.PathLike) -> SourceCheckpoint:
     for rel, sh in shards.items():
         for name, info in sh.tensors.items():
             if name in tensors:
-                raise SourceError(f"tensor {name!r} is stored twice: in {tensors[name].file} and {rel}")
+                raise SourceError(
+                    f"tensor {name!r} is stored twice: in {tensors[name].file} and {rel}"
+                )
             tensors[name] = info
     if weight_map is not None:
         _check_weight_map(weight_map, tensors)
@@ -540,10 +582,15 @@ def _check_weight_map(weight_map: dict[str, str], tensors: dict[str, TensorInfo]
         if info is None:
             raise SourceError(f"{INDEX_NAME}: tensor {name!r} is not in {rel}")
         if info.file != rel:
-            raise SourceError(f"{INDEX_NAME}: tensor {name!r} is listed in {rel} but stored in {info.file}")
+            raise SourceError(
+                f"{INDEX_NAME}: tensor {name!r} is listed in {rel} but stored in {info.file}"
+            )
     missing = sorted(set(tensors) - set(weight_map))
     if missing:
-        raise SourceError(f"{INDEX_NAME}: tensor {missing[0]!r} of {tensors[missing[0]].file} is not in weight_map")
+        raise SourceError(
+            f"{INDEX_NAME}: tensor {missing[0]!r} of {tensors[missing[0]].file} is not in "
+            "weight_map"
+        )
 
 
 #: files and folders of a model folder that are never copied to the output
@@ -650,8 +697,11 @@ class _Watch:
 
 
 def source_changed(rel: str) -> SourceError:
-    return SourceError(f"{rel}: another process opened this source shard for writing or truncated "
-                       "it during the conversion", hint="rerun once nothing else writes the source")
+    return SourceError(
+        f"{rel}: another process opened this source shard for writing or truncated "
+        "it during the conversion",
+        hint="rerun once nothing else writes the source",
+    )
 
 
 def check_source_unchanged() -> None:
@@ -722,7 +772,9 @@ class ShardReader:
             size = os.fstat(self.fd).st_size
         if size != expected_size:  # changed since its header was validated: never mmap past EOF
             self.close()
-            raise SourceError(f"{relpath}: file changed size during conversion ({expected_size} -> {size})")
+            raise SourceError(
+                f"{relpath}: file changed size during conversion ({expected_size} -> {size})"
+            )
         self._mm = mmap.mmap(self.fd, 0, access=mmap.ACCESS_READ) if size else None
 
     def view(self, begin: int, n: int) -> torch.Tensor:
@@ -737,7 +789,7 @@ class ShardReader:
         """Read-only memoryview of bytes ``[begin, begin + n)``, without torch."""
         if n == 0:
             return memoryview(b"")
-        return memoryview(self._mm)[begin:begin + n]
+        return memoryview(self._mm)[begin : begin + n]
 
     def find_byte(self, begin: int, n: int, values: bytes) -> int:
         """Offset of the first byte in ``[begin, begin + n)`` equal to one of ``values``, or -1
@@ -829,7 +881,7 @@ def _pow2_of(group: list[TensorInfo], mm) -> dict[str, bool]:
     out = {}
     for dtype in sorted({s.dtype for s in group}):
         same = [s for s in group if s.dtype == dtype]
-        raw = b"".join([mm[s.begin:s.begin + s.nbytes] for s in same])
+        raw = b"".join([mm[s.begin : s.begin + s.nbytes] for s in same])
         with np.errstate(over="ignore"):  # F64 beyond float32: inf, refused below
             bits = _AS_F32[dtype](raw).view(np.uint32)
         sizes = np.array([s.nbytes // ST_DTYPES[dtype][1] for s in same], dtype=np.int64)
@@ -846,7 +898,7 @@ def _pow2_of(group: list[TensorInfo], mm) -> dict[str, bool]:
             tensor_pow2[nonempty] = np.logical_and.reduceat(pow2, starts[nonempty])
         for j in np.flatnonzero(tensor_bad)[:1].tolist():
             s = same[j]
-            _refuse_scale(s, bits[starts[j]:starts[j] + sizes[j]].view(np.float32))
+            _refuse_scale(s, bits[starts[j] : starts[j] + sizes[j]].view(np.float32))
         out.update(zip([s.name for s in same], tensor_pow2.tolist(), strict=True))
     return out
 
@@ -856,8 +908,10 @@ def _refuse_scale(s: TensorInfo, values: np.ndarray) -> None:
     number: the first one, by value and index."""
     flat = int(np.flatnonzero(~np.isfinite(values) | (values <= 0))[0])
     idx = [int(i) for i in np.unravel_index(flat, s.shape)] if s.shape else []
-    raise LayoutError(f"{s.name}: scale {float(values[flat])} at index {idx} is not a finite "
-                      "positive number", hint="the source checkpoint's scale tensor is corrupt")
+    raise LayoutError(
+        f"{s.name}: scale {float(values[flat])} at index {idx} is not a finite positive number",
+        hint="the source checkpoint's scale tensor is corrupt",
+    )
 
 
 def chunk_ranges(info: TensorInfo, *, granule: int, chunk_bytes: int) -> Iterator[tuple[int, int]]:
@@ -869,12 +923,35 @@ def chunk_ranges(info: TensorInfo, *, granule: int, chunk_bytes: int) -> Iterato
 
 #: what a conversion needs from a Hub repo: weights, configs, tokenizer and other small files
 HUB_ALLOW_PATTERNS = [
-    "*.safetensors", "*.json", "*.txt", "*.model", "*.tiktoken", "*.py", "*.md", "*.jinja",
-    "*.yaml", "LICENSE*", "NOTICE*", "tokenizer*", "vocab*", "merges*", ".gitattributes",
+    "*.safetensors",
+    "*.json",
+    "*.txt",
+    "*.model",
+    "*.tiktoken",
+    "*.py",
+    "*.md",
+    "*.jinja",
+    "*.yaml",
+    "LICENSE*",
+    "NOTICE*",
+    "tokenizer*",
+    "vocab*",
+    "merges*",
+    ".gitattributes",
 ]
 #: never downloaded: pickled weights and other frameworks' copies of the weights
-HUB_IGNORE_PATTERNS = ["*.bin", "*.pt", "*.pth", "*.ckpt", "*.pkl", "*.h5", "*.msgpack", "*.onnx",
-                       "*.gguf", "original/*"]
+HUB_IGNORE_PATTERNS = [
+    "*.bin",
+    "*.pt",
+    "*.pth",
+    "*.ckpt",
+    "*.pkl",
+    "*.h5",
+    "*.msgpack",
+    "*.onnx",
+    "*.gguf",
+    "original/*",
+]
 
 
 def looks_like_repo_id(model: str) -> bool:
@@ -903,7 +980,9 @@ def resolve_model(model: str, *, revision: str | None = None, token: str | None 
             raise SourceError(f"{model}: --revision applies to Hub repo ids, not local folders")
         return local
     if not looks_like_repo_id(model):
-        raise SourceError(f"{model}: no such folder", hint="pass a model folder or a Hub repo id (org/name)")
+        raise SourceError(
+            f"{model}: no such folder", hint="pass a model folder or a Hub repo id (org/name)"
+        )
     return _snapshot(model, revision=revision, token=token)
 
 
@@ -925,9 +1004,15 @@ def _snapshot(repo_id: str, *, revision: str | None, token: str | None) -> Path:
             ignore_patterns=HUB_IGNORE_PATTERNS,
         )
     except GatedRepoError:
-        raise SourceError(f"{repo_id}: gated repo, access not granted", hint="accept its terms on the Hub and set HF_TOKEN") from None
+        raise SourceError(
+            f"{repo_id}: gated repo, access not granted",
+            hint="accept its terms on the Hub and set HF_TOKEN",
+        ) from None
     except RepositoryNotFoundError:
-        raise SourceError(f"{repo_id}: repository not found on the Hub (or private)", hint="check the id, or set HF_TOKEN") from None
+        raise SourceError(
+            f"{repo_id}: repository not found on the Hub (or private)",
+            hint="check the id, or set HF_TOKEN",
+        ) from None
     except RevisionNotFoundError:
         raise SourceError(f"{repo_id}: revision {revision!r} not found") from None
     except LocalEntryNotFoundError:

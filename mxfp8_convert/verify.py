@@ -2,10 +2,11 @@
 
 Checks, in order: the completion marker and every file it lists (inside the folder, size and
 xxh3 hash), and that it lists every file the folder holds; the layout marker in config.json and
-in every shard; every tensor's dtype and shape against its record. With ``source``: every module's layouts are inverted (the inverse functions, not the
-forward ones the converter used) and compared with the source's canonical MXFP8 bytes:
-identical for lossless conversions, identical to a fresh FlashInfer-recipe quantization for
-requantized ones, whose recorded error is recomputed too. Fused MoE tensors are cut per
+in every shard; every tensor's dtype and shape against its record. With ``source``: every
+module's layouts are inverted (the inverse functions, not the forward ones the converter used)
+and compared with the source's canonical MXFP8 bytes: identical for lossless conversions,
+identical to a fresh FlashInfer-recipe quantization for requantized ones, whose recorded error
+is recomputed too. Fused MoE tensors are cut per
 expert and inverted with ``layouts/moe.py``'s inverse functions, each expert's projections
 compared the same way. Pass-through tensors must be byte-identical. One module (one expert)
 is in memory at a time.
@@ -95,8 +96,12 @@ class VerifyReport:
 
     def to_dict(self) -> dict:
         return {
-            "ok": self.ok, "path": self.path, "backend": self.backend, "source": self.source,
-            "files_checked": self.files_checked, "tensors_checked": self.tensors_checked,
+            "ok": self.ok,
+            "path": self.path,
+            "backend": self.backend,
+            "source": self.source,
+            "files_checked": self.files_checked,
+            "tensors_checked": self.tensors_checked,
             "modules_compared": self.modules_compared,
             "mismatches": [m.to_dict() for m in self.mismatches],
         }
@@ -104,7 +109,10 @@ class VerifyReport:
 
 def first_difference(a: torch.Tensor, b: torch.Tensor) -> list[int] | None:
     """Index of the first differing byte of two same-shape tensors (None if identical)."""
-    a, b = a.view(torch.uint8) if a.element_size() == 1 else a, b.view(torch.uint8) if b.element_size() == 1 else b
+    a, b = (
+        a.view(torch.uint8) if a.element_size() == 1 else a,
+        b.view(torch.uint8) if b.element_size() == 1 else b,
+    )
     if tuple(a.shape) != tuple(b.shape):
         return []
     diff = a != b
@@ -113,8 +121,13 @@ def first_difference(a: torch.Tensor, b: torch.Tensor) -> list[int] | None:
     return [int(i) for i in diff.nonzero()[0]]
 
 
-def verify(path: str | Path, source: str | Path | None = None, *, check_hashes: bool = True,
-           source_format: str | None = None) -> VerifyReport:
+def verify(
+    path: str | Path,
+    source: str | Path | None = None,
+    *,
+    check_hashes: bool = True,
+    source_format: str | None = None,
+) -> VerifyReport:
     """Verify a converted checkpoint (see the module docstring).
 
     Args:
@@ -150,7 +163,9 @@ def _completion(root: Path) -> Completion:
     if not root.is_dir():
         raise VerifyError(f"{root}: not a folder")
     if not (root / COMPLETE_MARKER).exists():
-        raise VerifyError(f"{root}: no {COMPLETE_MARKER}: incomplete, or not an mxfp8-convert output")
+        raise VerifyError(
+            f"{root}: no {COMPLETE_MARKER}: incomplete, or not an mxfp8-convert output"
+        )
     return Completion.read(root, error=VerifyError)
 
 
@@ -168,7 +183,9 @@ def _present_files(root: Path) -> list[str]:
         dirnames[:] = [d for d in dirnames if d not in links]
         for fn in (*filenames, *links):
             out.append(fn if rel_dir == "." else f"{rel_dir}/{fn}")
-    return sorted(rel for rel in out if rel != COMPLETE_MARKER and not rel.startswith(_DOWNLOAD_METADATA))
+    return sorted(
+        rel for rel in out if rel != COMPLETE_MARKER and not rel.startswith(_DOWNLOAD_METADATA)
+    )
 
 
 def _file_problem(root: Path, rel: str, rec, check_hashes: bool) -> str | None:
@@ -206,12 +223,14 @@ def _check_marker(ckpt: SourceCheckpoint, marker: dict, report: VerifyReport) ->
     laid_out = is_marker(marker)
     if laid_out != BACKENDS[report.backend].laid_out:
         report.mismatches.append(
-            Mismatch(CONFIG_FILE, f"quantization_config does not match backend {report.backend}"))
+            Mismatch(CONFIG_FILE, f"quantization_config does not match backend {report.backend}")
+        )
     if laid_out:
         try:
             if Marker.parse(marker, CONFIG_FILE).backend != report.backend:
                 report.mismatches.append(
-                    Mismatch(CONFIG_FILE, "layout marker disagrees with the completion marker"))
+                    Mismatch(CONFIG_FILE, "layout marker disagrees with the completion marker")
+                )
         except MarkerError as e:
             report.mismatches.append(Mismatch(CONFIG_FILE, str(e).removeprefix(f"{CONFIG_FILE}: ")))
     records: dict[str, dict] = {}
@@ -225,7 +244,9 @@ def _check_marker(ckpt: SourceCheckpoint, marker: dict, report: VerifyReport) ->
             report.mismatches.append(Mismatch(rel, "layout metadata is not valid JSON"))
             continue
         if shard_marker != marker:
-            report.mismatches.append(Mismatch(rel, "shard layout marker differs from config.json's"))
+            report.mismatches.append(
+                Mismatch(rel, "shard layout marker differs from config.json's")
+            )
         for name, rec in shard_records.items():
             if ckpt.tensors.get(name) is None or ckpt.tensors[name].file != rel:
                 report.mismatches.append(Mismatch(name, f"recorded in {rel} but not stored there"))
@@ -233,7 +254,9 @@ def _check_marker(ckpt: SourceCheckpoint, marker: dict, report: VerifyReport) ->
     return records
 
 
-def _check_tensors(ckpt: SourceCheckpoint, marker: dict, records: dict[str, dict], report: VerifyReport) -> None:
+def _check_tensors(
+    ckpt: SourceCheckpoint, marker: dict, records: dict[str, dict], report: VerifyReport
+) -> None:
     backend = BACKENDS.get(report.backend or "")
     if backend is None or not backend.laid_out:
         return
@@ -246,8 +269,11 @@ def _check_tensors(ckpt: SourceCheckpoint, marker: dict, records: dict[str, dict
                 report.mismatches.append(Mismatch(name, "quantized tensor without a layout record"))
             continue
         report.tensors_checked += 1
-        what = _moe_problem(info, rec, marker, records) if rec.get("role") in MOE_TENSORS else \
-            _tensor_problem(info, rec, backend, records)
+        what = (
+            _moe_problem(info, rec, marker, records)
+            if rec.get("role") in MOE_TENSORS
+            else _tensor_problem(info, rec, backend, records)
+        )
         if what:
             report.mismatches.append(Mismatch(name, what))
 
@@ -283,14 +309,17 @@ def _moe_problem(info, rec: dict, marker: dict, records: dict[str, dict]) -> str
     role = rec["role"]
     suffix, dtype, shape_of = MOE_TENSORS[role]
     if rec.get("layout") != MOE_LAYOUT or not marker.get("moe"):
-        return f"layout {rec.get('layout')!r}: fused MoE tensors need layout {MOE_LAYOUT!r} and the marker's moe entry"
+        return (f"layout {rec.get('layout')!r}: fused MoE tensors need layout {MOE_LAYOUT!r} "
+                "and the marker's moe entry")
     e, h, i = rec.get("experts"), rec.get("hidden"), rec.get("intermediate")
     try:
         want = list(shape_of(h, i, e))
     except (ConvertError, TypeError):
         return f"record says E={e}, H={h}, I={i}, which the fused MoE kernel cannot take"
     if info.dtype != dtype or list(info.shape) != want:
-        return f"{info.dtype} {list(info.shape)}, but {role} of E={e}, H={h}, I={i} is {dtype} {want}"
+        return (
+            f"{info.dtype} {list(info.shape)}, but {role} of E={e}, H={h}, I={i} is {dtype} {want}"
+        )
     if rec.get("shape", rec.get("tile_shape")) != want:
         return f"record's shape {rec.get('shape', rec.get('tile_shape'))} is not {want}"
     block = info.name[: -len(suffix) - 1]
@@ -298,26 +327,45 @@ def _moe_problem(info, rec: dict, marker: dict, records: dict[str, dict]) -> str
     missing = [p for p in partners if p not in records]
     if missing:
         return f"no {missing[0]!r} recorded beside it"
-    if any((records[p].get("experts"), records[p].get("hidden"), records[p].get("intermediate")) != (e, h, i)
-           for p in partners):
+    if any(
+        (records[p].get("experts"), records[p].get("hidden"), records[p].get("intermediate"))
+        != (e, h, i)
+        for p in partners
+    ):
         return "the four fused tensors of this block record different E, H, I"
     return None
 
 
-def _compare_with_source(ckpt, src: SourceCheckpoint, marker, records, done, report: VerifyReport,
-                         source_format: str | None = None) -> None:
+def _compare_with_source(
+    ckpt,
+    src: SourceCheckpoint,
+    marker,
+    records,
+    done,
+    report: VerifyReport,
+    source_format: str | None = None,
+) -> None:
     backend = BACKENDS[report.backend]
     recorded = done.source_format or (marker.get("source") or {}).get("dialect")
     fmt = detect_source(src.config, src.quant_files, src.tensors, source_format or recorded)
     # an output without fused MoE tensors was made with --moe keep, or had nothing to fuse; the
     # modules it left unquantized (``ignored_layers``, exact names) are planned so again
     left = [n for n in marker.get("ignored_layers") or [] if isinstance(n, str)]
-    plan = build_plan(src, backend, fmt, on_ineligible="keep",
-                      moe="fuse" if marker.get("moe") else "keep", ignore=left,
-                      strict_ignore=False, allow_no_quantized=True,
-                      quantize_towers=done.quantize_towers)
+    plan = build_plan(
+        src,
+        backend,
+        fmt,
+        on_ineligible="keep",
+        moe="fuse" if marker.get("moe") else "keep",
+        ignore=left,
+        strict_ignore=False,
+        allow_no_quantized=True,
+        quantize_towers=done.quantize_towers,
+    )
     if done.source_fingerprint != plan.fingerprint:
-        report.mismatches.append(Mismatch("source", "fingerprint differs from the one recorded at conversion"))
+        report.mismatches.append(
+            Mismatch("source", "fingerprint differs from the one recorded at conversion")
+        )
     errors = done.quantization_errors
     covered: set[str] = set()
     for m in plan.modules:
@@ -345,7 +393,9 @@ def _compare_with_source(ckpt, src: SourceCheckpoint, marker, records, done, rep
         a, b = read_tensor(ckpt.root, info), read_tensor(src.root, src.tensors[name])
         pos = first_difference(a, b) if a.dtype == b.dtype else []
         if pos is not None:
-            report.mismatches.append(Mismatch(name, "pass-through tensor differs from the source", pos))
+            report.mismatches.append(
+                Mismatch(name, "pass-through tensor differs from the source", pos)
+            )
 
 
 def _compare_dequantized(m, ckpt, src) -> list[Mismatch]:
@@ -359,8 +409,9 @@ def _compare_dequantized(m, ckpt, src) -> list[Mismatch]:
     scale = read_tensor(src.root, m.scale) if m.scale is not None else None
     src_backend = BACKENDS[m.source_backend] if m.source_backend else None
     try:
-        want = dequantized_module(m, read_tensor(src.root, m.weight), scale, src_backend,
-                                  torch_dtype(want_dtype))
+        want = dequantized_module(
+            m, read_tensor(src.root, m.weight), scale, src_backend, torch_dtype(want_dtype)
+        )
     except ConvertError as e:
         return [Mismatch(m.name, f"source cannot be dequantized: {e}")]
     pos = first_difference(read_tensor(ckpt.root, info).view(torch.uint8), want.view(torch.uint8))
@@ -372,7 +423,11 @@ def _compare_dequantized(m, ckpt, src) -> list[Mismatch]:
 def _output_names(module: str, ckpt: SourceCheckpoint) -> tuple[str, str, str] | None:
     w = f"{module}.weight"
     for suffix, layout in ((SWIZZLED_SUFFIX, "laid_out"), (CANONICAL_SUFFIX, "canonical")):
-        if f"{module}.{suffix}" in ckpt.tensors and w in ckpt.tensors and ckpt.tensors[w].dtype == "F8_E4M3":
+        if (
+            f"{module}.{suffix}" in ckpt.tensors
+            and w in ckpt.tensors
+            and ckpt.tensors[w].dtype == "F8_E4M3"
+        ):
             return w, f"{module}.{suffix}", layout
     return None
 
@@ -399,10 +454,17 @@ def _compare_canonical(m, w_out, s_out, src, recorded, expert: int | None = None
     out = []
     axes, lead = ("row, col", []) if expert is None else ("expert, row, col", [expert])
     for what, got, want in (("weight", w_out, q), ("scale", s_out, s)):
-        pos = first_difference(got.reshape(want.shape) if got.numel() == want.numel() else got, want)
+        pos = first_difference(
+            got.reshape(want.shape) if got.numel() == want.numel() else got, want
+        )
         if pos is not None:
-            out.append(Mismatch(f"{m.name}.{what}", f"differs from the source's canonical MXFP8 ({axes})",
-                                lead + pos))
+            out.append(
+                Mismatch(
+                    f"{m.name}.{what}",
+                    f"differs from the source's canonical MXFP8 ({axes})",
+                    lead + pos,
+                )
+            )
     if err is not None:
         out.extend(_check_error(m, w_out, s_out, src, recorded, err))
     return out
@@ -444,9 +506,13 @@ def _check_error(m, q, s, src, recorded, err) -> list[Mismatch]:
         ref = dense_weight(m, read_tensor(src.root, m.weight))
         now = quantization_error(ref, q.view(torch.float8_e4m3fn), s)
     else:
-        now = err  # FP8 sources: canonical_module measured it against the source's dequantized values
+        now = err
     have, want = now.to_dict()["rel_fro"], recorded.get("rel_fro", -1)  # null: not finite
-    same = have == want if None in (have, want) else math.isclose(have, want, rel_tol=1e-6, abs_tol=1e-12)
+    same = (
+        have == want
+        if None in (have, want)
+        else math.isclose(have, want, rel_tol=1e-6, abs_tol=1e-12)
+    )
     if not same:
         return [Mismatch(m.name, f"relative error {have} != recorded {want}")]
     return []
