@@ -70,6 +70,7 @@ def main() -> None:
                     wall, cpu, out = timed([sys.executable, "-P", "-m", "mxfp8_convert", *extra],
                                            env)
                     times.setdefault(f"{job} {tree}", []).append((wall, cpu))
+                    print(f"  {fmt} {job} {tree}: wall {wall:.2f} s, CPU {cpu:.2f} s", flush=True)
                     if job == "dry-run trtllm":
                         shards[f"{fmt} {tree}"] = shard_stats(json.loads(out))
         for name, ts in times.items():
