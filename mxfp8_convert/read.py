@@ -843,9 +843,10 @@ def pow2_scales(ckpt_root: Path, scales: list[TensorInfo]) -> dict[str, bool]:
     two in ``[2^-127, 2^127]``: then it maps losslessly to UE8M0 (an FP8 pair converts without
     requantizing). The one fact about tensor data a plan needs.
 
-    Each file is opened (and its path checked) once and mapped; the scales of one file are
-    tested together with numpy on their float32 bits (the values ``.to(torch.float32)`` gives).
-    Tensors of other dtypes are left out.
+    Each file is opened (and its path checked) once, each scale read with one ``pread`` (a
+    mapping would fault in the pages around every scale: on sparse weights, gigabytes of
+    zeros); the scales of one file are tested together with numpy on their float32 bits (the
+    values ``.to(torch.float32)`` gives). Tensors of other dtypes are left out.
 
     Raises:
         LayoutError: a zero, negative, NaN or Inf multiplier, naming the tensor, the value and
@@ -861,27 +862,27 @@ def pow2_scales(ckpt_root: Path, scales: list[TensorInfo]) -> dict[str, bool]:
         group = by_file[rel]
         f, size = _open_regular(ckpt_root, rel, what="shard")
         with f:
-            for info in group:
+            data = {}
+            for info in sorted(group, key=lambda i: i.begin):  # one pread each, in file order
                 if info.begin + info.nbytes > size:
                     raise SourceError(f"{rel}: file ended inside tensor {info.name!r} (truncated?)")
-            if size == 0:  # then every scale is empty: no multiplier to refuse
-                out.update((info.name, True) for info in group)
-                continue
-            try:
-                mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ)
-            except (OSError, ValueError) as e:
-                raise _fail(rel, f"cannot be read ({_reason(e)})") from None
-            with mm:
-                out.update(_pow2_of(group, mm))
+                try:
+                    raw = os.pread(f.fileno(), info.nbytes, info.begin) if info.nbytes else b""
+                except OSError as e:
+                    raise _fail(rel, f"cannot be read ({_reason(e)})") from None
+                if len(raw) != info.nbytes:
+                    raise SourceError(f"{rel}: file ended inside tensor {info.name!r} (truncated?)")
+                data[info.name] = raw
+        out.update(_pow2_of(group, data))
     return out
 
 
-def _pow2_of(group: list[TensorInfo], mm) -> dict[str, bool]:
-    """``pow2_scales`` of the scales of one file, mapped as ``mm``."""
+def _pow2_of(group: list[TensorInfo], data: dict[str, bytes]) -> dict[str, bool]:
+    """``pow2_scales`` of the scales of one file, ``data``: name -> bytes."""
     out = {}
     for dtype in sorted({s.dtype for s in group}):
         same = [s for s in group if s.dtype == dtype]
-        raw = b"".join([mm[s.begin : s.begin + s.nbytes] for s in same])
+        raw = b"".join([data[s.name] for s in same])
         with np.errstate(over="ignore"):  # F64 beyond float32: inf, refused below
             bits = _AS_F32[dtype](raw).view(np.uint32)
         sizes = np.array([s.nbytes // ST_DTYPES[dtype][1] for s in same], dtype=np.int64)
