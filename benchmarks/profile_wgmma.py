@@ -1,7 +1,7 @@
-"""One MXFP8 linear call of the rule's config, for a profiler (Nsight Compute) on a Hopper GPU.
+r"""One MXFP8 linear call of the rule's config, for a profiler (Nsight Compute) on a Hopper GPU.
 
-    ncu --kernel-name regex:wgmma --launch-skip 2 --launch-count 2 \\
-        --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \\
+    ncu --kernel-name regex:wgmma --launch-skip 2 --launch-count 2 \
+        --section SpeedOfLight --section WarpStateStats --section MemoryWorkloadAnalysis \
         python benchmarks/profile_wgmma.py --n 4096 --k 4096 --m 4
 
 Runs the config ``choose_config`` picks for (M, N, K) on this GPU three times, and prints it.

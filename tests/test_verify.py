@@ -28,7 +28,8 @@ def converted(tmp_path):
     return src, tmp_path / "out"
 
 
-@pytest.mark.parametrize("dialect,pow2", [("sglang_mxfp8", True), ("block_fp8", True), ("block_fp8", False),
+@pytest.mark.parametrize("dialect,pow2", [("sglang_mxfp8", True), ("block_fp8", True),
+                                          ("block_fp8", False),
                                           ("fp8", False), ("dense", True)])
 @pytest.mark.parametrize("backend", ["trtllm", "cutlass", "canonical"])
 def test_verify_passes_for_every_kind_of_source(tmp_path, dialect, pow2, backend):
@@ -47,7 +48,8 @@ def test_tampered_weight_names_tensor_and_logical_position(converted):
     report = verify(out, src, check_hashes=False)
     logical_row = int(p32_row_indices(512)[physical_row])
     assert [str(m) for m in report.mismatches] == [
-        f"model.layers.0.mlp.up_proj.weight: differs from the source's canonical MXFP8 (row, col) at [{logical_row}, {col}]"]
+        f"model.layers.0.mlp.up_proj.weight: differs from the source's canonical MXFP8 (row, col) "
+        f"at [{logical_row}, {col}]"]
     hashed = verify(out, src)
     assert any("xxh3_128 hash differs" in str(m) for m in hashed.mismatches)
 
@@ -82,7 +84,8 @@ def test_cli_verify_json_and_exit_codes(converted, capsys):
     captured = capsys.readouterr()
     doc = json.loads(captured.out)
     assert not doc["ok"] and doc["mismatches"][0]["where"] == "model.layers.0.mlp.down_proj.weight"
-    assert captured.err.strip().splitlines()[-1].startswith("Error: verification failed: model.layers.0.mlp.down_proj.weight")
+    last = captured.err.strip().splitlines()[-1]
+    assert last.startswith("Error: verification failed: model.layers.0.mlp.down_proj.weight")
 
 
 def test_wrong_source_is_reported(converted, tmp_path):
@@ -90,7 +93,8 @@ def test_wrong_source_is_reported(converted, tmp_path):
     # same structure, other bytes: the headers-v1 fingerprint agrees, the byte comparison does not
     other = write_checkpoint(tmp_path / "other", replace(SPEC, seed=99))
     report = verify(out, other, check_hashes=False)
-    assert not report.ok and report.mismatches[0].what == "differs from the source's canonical MXFP8 (row, col)"
+    assert not report.ok
+    assert report.mismatches[0].what == "differs from the source's canonical MXFP8 (row, col)"
     # other structure: the fingerprint says so first
     cfg = json.loads((other / "config.json").read_text())
     cfg["rms_norm_eps"] = 1e-6
@@ -118,13 +122,16 @@ def test_inspect_source_and_output(tmp_path, capsys):
     rep = inspect_checkpoint(src)
     assert rep.format == "sglang_mxfp8" and rep.backend is None and rep.shards == 2
     down = next(m for m in rep.modules if m.name.endswith("down_proj"))
-    assert down.backends["trtllm"] == ["K=288 is not a multiple of 256"] and down.backends["cutlass"] == []
+    assert down.backends["trtllm"] == ["K=288 is not a multiple of 256"]
+    assert down.backends["cutlass"] == []
     assert rep.count_by_role["weight"] == 8 and rep.count_by_role["weight_scale"] == 8
-    assert rep.actions["trtllm"].startswith("not possible") is False and "keep" in rep.actions["trtllm"]
+    assert rep.actions["trtllm"].startswith("not possible") is False
+    assert "keep" in rep.actions["trtllm"]
     convert(src, "cutlass", tmp_path / "out")
     assert main(["inspect", str(tmp_path / "out"), "--json"]) == 0
     doc = json.loads(capsys.readouterr().out)
-    assert doc["format"] == "mxfp8_convert" and doc["backend"] == "cutlass" and doc["complete"] is True
+    assert doc["format"] == "mxfp8_convert" and doc["backend"] == "cutlass"
+    assert doc["complete"] is True
     assert all(m["layout"] == "cutlass" for m in doc["modules"])
     assert doc["conversion"]["cutlass"].startswith("not possible")
 
@@ -173,7 +180,8 @@ def test_a_corrupted_byte_is_caught_by_the_hashes(converted):
     _, out = converted
     flip_byte(out, "model.norm.weight", 0)
     shard = open_checkpoint(out).tensors["model.norm.weight"].file
-    assert verify(out).mismatches == [Mismatch(shard, "xxh3_128 hash differs from the completion marker")]
+    expected = Mismatch(shard, "xxh3_128 hash differs from the completion marker")
+    assert verify(out).mismatches == [expected]
     assert verify(out, check_hashes=False).ok  # what --no-hashes skips, its help says
 
 
@@ -183,7 +191,8 @@ def test_a_listed_link_leading_out_of_the_folder_is_refused(converted, tmp_path)
     outside.write_bytes((out / "config.json").read_bytes())  # same bytes: size and hash agree
     (out / "config.json").unlink()
     (out / "config.json").symlink_to(outside)
-    with pytest.raises(SourceError, match="^file 'config.json' is a link that leads outside the model folder$"):
+    outside = "^file 'config.json' is a link that leads outside the model folder$"
+    with pytest.raises(SourceError, match=outside):
         verify(out)
 
 

@@ -550,9 +550,9 @@ def test_source_shard_truncated_while_mapped_names_the_file(world, tmp_path):
     done.wait(10)  # with the lease the truncate waits for the converter to let go
     code, _, err = child.go()
     assert code == 1 and "Traceback" not in err, (code, err)
-    assert err.strip().splitlines()[0] == (f"Error: {shard.name}: another process opened this source "
-                                           "shard for writing or truncated it during the "
-                                           "conversion"), err
+    expected = (f"Error: {shard.name}: another process opened this source shard for writing or "
+                "truncated it during the conversion")
+    assert err.strip().splitlines()[0] == expected, err
     assert done.wait(60) and shard.stat().st_size == 4096
     assert not out.exists() and leftovers(tmp_path) == []
 
