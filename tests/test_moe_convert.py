@@ -2,7 +2,7 @@
 
 The fused bytes are checked against FlashInfer's own CPU-runnable MoE helpers applied per expert
 (``flashinfer/fused_moe/core.py``, the way ``prepare_trtllm_fp8_block_weights`` applies them);
-the CUDA-only ``block_scale_interleave`` step is the SPEC.md section 2 formula, as in
+the CUDA-only ``block_scale_interleave`` step is the docs/LAYOUTS.md section 2 formula, as in
 ``tests/layouts/test_moe.py``.
 """
 

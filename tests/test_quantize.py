@@ -7,7 +7,7 @@ The quantizer is proved three independent ways:
   compiled with the bundled cutlass ``float_e4m3_t`` (FlashInfer's JIT build of that module needs
   a CUDA toolkit with cuBLAS, which a CPU box lacks; this needs only a C++ compiler and the CUDA
   runtime headers);
-* against an independent float64/numpy formulation of SPEC.md section 1 (``ref_quantize``
+* against an independent float64/numpy formulation of docs/LAYOUTS.md section 1 (``ref_quantize``
   below: frexp for the exponents, ``np.rint`` for round-half-even, its own byte encoder);
 * against hand-derived golden blocks at the edges (``448 * 2^k`` and one ulp either side, the
   fp32-subnormal ``amax / 448`` range, zeros, ``-0.0``).
@@ -47,7 +47,7 @@ F32_INV_448 = np.float32(1) / np.float32(448)  # the reference's ``1.f / 448.0f`
 E4M3_NAN_BYTES = (0x7F, 0xFF)
 
 
-# --- independent float64 formulation of SPEC.md section 1 ------------------------------------
+# --- independent float64 formulation of docs/LAYOUTS.md section 1 ---------------------------------
 
 
 def ref_codes(amax: np.ndarray) -> np.ndarray:

@@ -3,7 +3,7 @@
 Parity is checked against FlashInfer's own CPU-runnable helpers, applied the way
 ``flashinfer/fused_moe/prepare.py::prepare_trtllm_fp8_block_weights`` and the upstream test
 ``tests/moe/trtllm_gen_fused_moe_utils.py`` apply them. ``block_scale_interleave`` needs CUDA,
-so the 128x4 step is checked against the SPEC.md section 2 offset formula instead.
+so the 128x4 step is checked against the docs/LAYOUTS.md section 2 offset formula instead.
 """
 
 from __future__ import annotations
@@ -74,7 +74,8 @@ def fi_fc1_weight_test_path(up: torch.Tensor, gate: torch.Tensor) -> torch.Tenso
 
 
 def fi_fc1_scale(up_s: torch.Tensor, gate_s: torch.Tensor) -> torch.Tensor:
-    """prepare.py path with the CUDA-only block_scale_interleave replaced by the SPEC formula."""
+    """prepare.py path with the CUDA-only block_scale_interleave replaced by the LAYOUTS.md
+    formula."""
     out = []
     for e in range(up_s.shape[0]):
         s = torch.cat([up_s[e], gate_s[e]])

@@ -1,5 +1,5 @@
-"""P32 row shuffle (trtllm weight layout): FlashInfer parity, the SPEC formula, golden bytes,
-round-trip properties. SPEC.md section 2, ``mxfp8_convert/layouts/rows.py``."""
+"""P32 row shuffle (trtllm weight layout): FlashInfer parity, the LAYOUTS.md formula, golden bytes,
+round-trip properties. docs/LAYOUTS.md section 2, ``mxfp8_convert/layouts/rows.py``."""
 
 from __future__ import annotations
 
@@ -16,7 +16,7 @@ from mxfp8_convert.layouts import p32_row_indices, p32_shuffle_rows, p32_unshuff
 ROWS = [32, 64, 96, 128, 160, 576, 1024]
 
 # Golden: x = arange(64) as a [64, 1] uint8 weight; output row p holds input row
-# 32*(p//32) + 4*(p%8) + (p%32)//8 (SPEC.md section 2), written out once by hand from that
+# 32*(p//32) + 4*(p%8) + (p%32)//8 (docs/LAYOUTS.md section 2), written out once by hand from that
 # formula: within each 32-row block the rows go 0, 4, ..., 28, then 1, 5, ..., 29, and so on.
 GOLDEN_P32_64x1 = [
     0, 4, 8, 12, 16, 20, 24, 28, 1, 5, 9, 13, 17, 21, 25, 29,
@@ -27,7 +27,7 @@ GOLDEN_P32_64x1 = [
 
 
 def spec_source_row(p: int) -> int:
-    """SPEC.md section 2, in Python ints: the input row that lands at output row ``p``."""
+    """docs/LAYOUTS.md section 2, in Python ints: the input row that lands at output row ``p``."""
     return 32 * (p // 32) + 4 * (p % 8) + (p % 32) // 8
 
 
@@ -58,7 +58,7 @@ def test_any_epilogue_tile_multiple_of_128_gives_the_same_permutation(flashinfer
     assert torch.equal(get_shuffle_matrix_a_row_indices(x, epilogue_tile_m), p32_row_indices(256))
 
 
-# --- SPEC formula, element by element -----------------------------------------------------------
+# --- LAYOUTS.md formula, element by element -------------------------------------------------------
 
 
 @pytest.mark.parametrize("n", [32, 96, 160])

@@ -1,7 +1,7 @@
 """128x4 (cutlass weight scales, activations) and 8x4 (trtllm activations) scale swizzles.
 
 Proof of the layout, in four independent ways: FlashInfer's own pure-torch references and kernel
-index functions (CPU), the SPEC.md section 2 offset formulas in Python ints, golden bytes, and
+index functions (CPU), the LAYOUTS.md section 2 offset formulas in Python ints, golden bytes, and
 round-trip / shape / stride / tensor-parallel-slicing properties. GPU parity with
 ``flashinfer.block_scale_interleave`` and ``mxfp8_quantize`` runs under the ``gpu`` marker.
 """
@@ -52,7 +52,7 @@ def ceil_to(n: int, m: int) -> int:
 
 
 def spec_offset_128x4(r: int, c: int, cp: int) -> int:
-    """SPEC.md section 2, in Python ints."""
+    """docs/LAYOUTS.md section 2, in Python ints."""
     return (
         (r // 128) * (cp // 4) * 512
         + (c // 4) * 512
@@ -63,7 +63,7 @@ def spec_offset_128x4(r: int, c: int, cp: int) -> int:
 
 
 def spec_offset_8x4(r: int, c: int, cp: int) -> int:
-    """SPEC.md section 2, in Python ints."""
+    """docs/LAYOUTS.md section 2, in Python ints."""
     return (r // 8) * (cp // 4) * 32 + (c // 4) * 32 + (r % 8) * 4 + c % 4
 
 
@@ -178,7 +178,7 @@ def test_8x4_equals_flashinfer_kernel_index_function(flashinfer, rows, cols):
             assert off[r][c] == index(r, c, cp), f"8x4 element ({r}, {c})"
 
 
-# --- SPEC formulas, element by element ----------------------------------------------------------
+# --- LAYOUTS.md formulas, element by element ------------------------------------------------------
 
 
 @pytest.mark.parametrize("rows, cols", NAMED)
@@ -196,8 +196,8 @@ def test_8x4_matches_spec_formula(rows, cols, random_bytes, same_bytes):
 
 
 # --- golden bytes (cutlass weight scale = plain 128x4; trtllm activation 8x4) ------------------
-# Derived once by hand from the SPEC formulas above, kept as literals: a layout change that still
-# round-trips fails here. Bytes not listed are 0 (padding, or zero input).
+# Derived once by hand from the LAYOUTS.md formulas above, kept as literals: a layout change that
+# still round-trips fails here. Bytes not listed are 0 (padding, or zero input).
 
 
 def from_sparse(size: int, nonzero: dict[int, int]) -> torch.Tensor:
@@ -308,7 +308,8 @@ def test_128x4_stacked_equals_flashinfer_reference(
 @settings(max_examples=30, deadline=None)
 @given(rows=rows_st, cols=st.integers(1, 24), data=st.data())
 def test_128x4_tile_slices_are_the_layout_of_tp_slices(rows, cols, data, random_bytes, same_bytes):
-    """SPEC section 2: slicing tiles at multiples of 128 rows / 128 K = laying out the TP slice."""
+    """LAYOUTS.md section 2: slicing tiles at multiples of 128 rows / 128 K = laying out the TP
+    slice."""
     s = random_bytes((rows, cols), seed=rows * 31 + cols)
     t = swizzle_128x4(s)
     tr, tc, _ = t.shape
@@ -321,7 +322,7 @@ def test_128x4_tile_slices_are_the_layout_of_tp_slices(rows, cols, data, random_
 
 
 def test_2d_view_sliced_along_k_has_right_shape_wrong_bytes(random_bytes):
-    """SPEC section 2's warning: why the output is 3-D tiles and not a 2-D [Rp, Cp] view."""
+    """LAYOUTS.md section 2's warning: why the output is 3-D tiles and not a 2-D [Rp, Cp] view."""
     s = random_bytes((128, 8), seed=5)
     wrong = swizzle_128x4(s).reshape(128, 8)[:, :4]
     right = swizzle_128x4(s[:, :4]).reshape(128, 4)

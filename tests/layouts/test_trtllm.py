@@ -2,7 +2,7 @@
 
 ``flashinfer.shuffle_matrix_sf_a`` refuses CPU tensors, so the CPU proof rebuilds its composition
 from FlashInfer's own pieces (``get_shuffle_matrix_sf_a_row_indices``, ``shuffle_matrix_a`` and
-its pure-torch 128x4 reference) and checks element offsets against SPEC.md section 2; the CUDA
+its pure-torch 128x4 reference) and checks element offsets against LAYOUTS.md section 2; the CUDA
 function itself is compared under the ``gpu`` marker.
 """
 
@@ -49,13 +49,14 @@ def pad_rows(s: torch.Tensor, rows: int) -> torch.Tensor:
 
 
 def spec_shuffled_row(r: int) -> int:
-    """Where P32 moves logical row ``r`` (the inverse of SPEC's
+    """Where P32 moves logical row ``r`` (the inverse of LAYOUTS.md's
     ``32*(p//32) + 4*(p%8) + (p%32)//8``)."""
     return 32 * (r // 32) + 8 * (r % 4) + (r % 32) // 4
 
 
 def spec_offset(r: int, c: int, cp: int) -> int:
-    """SPEC.md section 2: trtllm byte offset of logical scale element ``(r, c)``, in Python ints."""
+    """LAYOUTS.md section 2: trtllm byte offset of logical scale element ``(r, c)``, in Python
+    ints."""
     p = spec_shuffled_row(r)
     return (
         (p // 128) * (cp // 4) * 512
@@ -100,7 +101,7 @@ def test_unswizzled_rows_equal_flashinfer_shuffle_matrix_a(
     same_bytes(rows, flashinfer.shuffle_matrix_a(pad_rows(s, np_), 128), "P32 rows of the scale")
 
 
-# --- SPEC formula, element by element ---------------------------------------------------------
+# --- LAYOUTS.md formula, element by element -------------------------------------------------------
 
 
 @pytest.mark.parametrize("n, c", [(32, 1), (96, 3), (160, 6), (288, 9)])
@@ -211,7 +212,7 @@ def test_stacked_equals_flashinfer_composition_per_expert(
 @settings(max_examples=30, deadline=None)
 @given(n=rows_st, c=st.integers(1, 24), data=st.data())
 def test_tile_slices_are_the_layout_of_tp_slices(n, c, data, random_bytes, same_bytes):
-    """SPEC section 2: P32 stays inside 32-row blocks, so tiles slice like the plain 128x4."""
+    """LAYOUTS.md section 2: P32 stays inside 32-row blocks, so tiles slice like the plain 128x4."""
     s = random_bytes((n, c), seed=n * 13 + c)
     t = trtllm_scale_from_canonical(s)
     tr, tc, _ = t.shape
@@ -260,7 +261,7 @@ def test_rejects_one_dimensional_scales():
 @pytest.mark.gpu
 @SM90
 @pytest.mark.parametrize("n, c", SHAPES)
-@pytest.mark.parametrize("num_elts_per_sf", [32, 16])  # SPEC: does not change the bytes
+@pytest.mark.parametrize("num_elts_per_sf", [32, 16])  # LAYOUTS.md: does not change the bytes
 def test_equals_shuffle_matrix_sf_a_on_cuda(
     flashinfer, n, c, num_elts_per_sf, random_bytes, same_bytes
 ):
