@@ -164,6 +164,31 @@ def test_dry_run_counts_every_output_tensor_by_role(capsys, src, tmp_path):
     assert printed == real
 
 
+def test_dry_run_prints_one_row_per_repeated_module(capsys, tmp_path, monkeypatch):
+    """Modules that differ only in their layer index are one row with their count (a DeepSeek-V3
+    plan is ~45k modules); one whose shape differs keeps a row of its own."""
+    monkeypatch.setenv("COLUMNS", "250")
+    src = write_checkpoint(tmp_path / "m", SynthSpec(layers=3, hidden=256, intermediate=512,
+                                                     heads=4, kv_heads=2, vocab=256, shards=1))
+    # layer 1's up_proj gets a different shape: 512 -> 256 rows
+    replace_tensor(src, "model.layers.1.mlp.up_proj.weight",
+                   torch.zeros(256, 256, dtype=torch.float8_e4m3fn))
+    replace_tensor(src, "model.layers.1.mlp.up_proj.weight_scale_inv",
+                   torch.full((256, 8), 127, dtype=torch.uint8))
+    code, out, err = run(capsys, src, "-b", "cutlass", "-o", tmp_path / "dry", "--dry-run",
+                         "--json")
+    assert code == 0, err
+    modules = [m["name"] for m in json.loads(out)["plan"]["modules"]]
+    code, out, err = run(capsys, src, "-b", "cutlass", "-o", tmp_path / "dry", "--dry-run")
+    assert code == 0, err
+    plan = out.split("Plan: ")[1].split("└")[0]  # the plan table alone
+    rows = dict(re.findall(r"│ (model\.\S+)\s+│ (\d+)\s+│", plan))
+    for leaf in ("self_attn.q_proj", "self_attn.k_proj", "mlp.gate_proj", "mlp.down_proj"):
+        assert rows[f"model.layers.*.{leaf}"] == "3", rows
+    assert rows["model.layers.*.mlp.up_proj"] == "2" and rows["model.layers.1.mlp.up_proj"] == "1"
+    assert sum(int(n) for n in rows.values()) == len(modules) == 21
+
+
 def test_dry_run_does_not_refuse_an_existing_output(capsys, src, tmp_path):
     dest = tmp_path / "o"
     assert run(capsys, src, "-b", "cutlass", "-o", dest)[0] == 0

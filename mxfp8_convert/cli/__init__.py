@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import enum
 import math
+import re
 import signal
 import sys
 from pathlib import Path
@@ -331,12 +332,12 @@ def _render_convert(console, result, push: dict | None = None) -> None:
         console.print(f"Part {i} of {n} done ({done}); "
                       "run `mxfp8-convert finalize OUT` once every part has run.")
         return
-    rows = [[m.name, f"{m.n}x{m.k}", m.action,
-             m.layout + (f" ({m.reason})" if m.reason else ""), m.decided_by]
-            for m in plan.modules]
     if result.dry_run:
+        rows = _grouped([m.name, f"{m.n}x{m.k}", m.action,
+                         m.layout + (f" ({m.reason})" if m.reason else ""), m.decided_by]
+                        for m in plan.modules)
         console.print(table(f"Plan: {plan.format} -> {plan.backend}",
-                            ["module", "N x K", "action", "layout", "decided by"], rows))
+                            ["module", "count", "N x K", "action", "layout", "decided by"], rows))
         if plan.moe:
             console.print(table("Fused MoE blocks",
                                 ["block", "experts", "H", "I", "action", "shard"],
@@ -345,9 +346,9 @@ def _render_convert(console, result, push: dict | None = None) -> None:
                                  for m in plan.moe]))
         if plan.unquantized:
             console.print(table("Left as they are",
-                                ["weight", "shape", "kind", "decided by", "why"],
-                                [[u.name, "x".join(map(str, u.shape)), u.kind, u.decided_by, u.why]
-                                 for u in plan.unquantized]))
+                                ["weight", "count", "shape", "kind", "decided by", "why"],
+                                _grouped([u.name, "x".join(map(str, u.shape)), u.kind,
+                                          u.decided_by, u.why] for u in plan.unquantized)))
         console.print(table("Tensors by role", ["role", "layout", "dtype", "tensors", "bytes"],
                             _tensors_by_role(plan)))
         console.print(table("Shards", ["file", "tensors", "bytes"],
@@ -379,6 +380,23 @@ def _render_convert(console, result, push: dict | None = None) -> None:
     if push:
         summary.append(["pushed", f"{push['repo_id']} ({push['commit_url']})"])
     console.print(table("Converted", ["", ""], summary))
+
+
+_INDEX = re.compile(r"(?<=\.)\d+(?=\.|$)")
+
+
+def _grouped(rows) -> list[list]:
+    """Rows of the human plan whose names differ only in their numeric path parts (layer and
+    expert indices) and agree in every other column, as one row: the name with ``*`` for those
+    parts, and how many it stands for. Order of first appearance; ``--json`` lists each one."""
+    groups: dict[tuple, list] = {}
+    for name, *rest in rows:
+        key = (_INDEX.sub("*", name), *rest)
+        if key in groups:
+            groups[key][1] += 1
+        else:
+            groups[key] = [name, 1, key]
+    return [[first if n == 1 else key[0], n, *key[1:]] for first, n, key in groups.values()]
 
 
 def _left_summary(plan) -> list[list[str]]:
