@@ -189,6 +189,21 @@ def test_dry_run_prints_one_row_per_repeated_module(capsys, tmp_path, monkeypatc
     assert sum(int(n) for n in rows.values()) == len(modules) == 21
 
 
+def test_inspect_prints_one_row_per_repeated_module(capsys, tmp_path, monkeypatch):
+    monkeypatch.setenv("COLUMNS", "250")
+    src = write_checkpoint(tmp_path / "m", SynthSpec(layers=3, hidden=256, intermediate=512,
+                                                     heads=4, kv_heads=2, vocab=256, shards=1))
+    code, out, err = run(capsys, "inspect", src)
+    assert code == 0, err
+    rows = dict(re.findall(r"│ (model\.\S+)\s+│ (\d+)\s+│",
+                           out.split("Linear modules")[1].split("└")[0]))
+    leaves = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+    assert sorted(rows) == sorted(
+        f"model.layers.*.{'self_attn' if 'proj' in leaf and leaf[0] in 'qkvo' else 'mlp'}.{leaf}"
+        for leaf in leaves)
+    assert set(rows.values()) == {"3"}
+
+
 def test_dry_run_does_not_refuse_an_existing_output(capsys, src, tmp_path):
     dest = tmp_path / "o"
     assert run(capsys, src, "-b", "cutlass", "-o", dest)[0] == 0

@@ -598,10 +598,10 @@ def _render_inspect(console, report) -> None:
     # a MoE block's experts are in the table above
     modules = [m for m in report.modules if (expert_key(m.name) or ("",))[0] not in blocks]
     backends = sorted({b for m in report.modules for b in m.backends})
-    rows = [[m.name, "x".join(map(str, m.shape)), m.weight_dtype, m.layout,
-             *["ok" if not m.backends[b] else "; ".join(m.backends[b]) for b in backends]]
-            for m in modules]
-    columns = ["module", "shape", "dtype", "stored as", *backends]
+    rows = _grouped([m.name, "x".join(map(str, m.shape)), m.weight_dtype, m.layout,
+                     *["ok" if not m.backends[b] else "; ".join(m.backends[b]) for b in backends]]
+                    for m in modules)
+    columns = ["module", "count", "shape", "dtype", "stored as", *backends]
     console.print(table("Linear modules", columns, rows))
 
 
