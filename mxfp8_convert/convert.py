@@ -243,8 +243,10 @@ def _compute_threads(workers: int) -> Iterator[None]:
 
 def _computes(plan: ConversionPlan) -> bool:
     """Whether converting ``plan`` computes on tensors (torch), rather than only moving bytes
-    (with mmap and numpy): computed modules and fused MoE layers."""
-    return bool(plan.moe) or any(computed(m) for m in plan.modules)
+    (with mmap and numpy): computed modules, fused into MoE layers or not. Fusing the experts
+    of an MXFP8 source only moves bytes (``ShardTransform._fused``)."""
+    modules = (*plan.modules, *(m for layer in plan.moe for m in layer.modules))
+    return any(computed(m) for m in modules)
 
 
 #: memory one worker needs beyond its largest in-memory module: its buffer pool and queue

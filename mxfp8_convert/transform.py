@@ -27,13 +27,12 @@ from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.format import CANONICAL_LAYOUT, LAYOUTS
 from mxfp8_convert.layouts import p32_shuffle_rows, p32_shuffle_rows_array
 from mxfp8_convert.layouts.moe import (
-    moe_fc1_scale_from_canonical,
+    moe_fc1_rows_array,
+    moe_fc1_scale_from_canonical_array,
     moe_fc1_scale_to_canonical,
-    moe_fc1_weight_from_canonical,
     moe_fc1_weight_to_canonical,
-    moe_fc2_scale_from_canonical,
+    moe_fc2_scale_from_canonical_array,
     moe_fc2_scale_to_canonical,
-    moe_fc2_weight_from_canonical,
     moe_fc2_weight_to_canonical,
 )
 from mxfp8_convert.layouts.rows import P32_BLOCK
@@ -171,9 +170,14 @@ class ShardTransform:
         if granule == 1:
             yield from self._copy(info, sink, check_nan=True)
             return
+        yield from self._rows_from_source(info, sink, granule, p32_rows(t.shape[1]))
+
+    def _rows_from_source(self, info: TensorInfo, sink: Sink, granule: int,
+                          lay_out: LayOut) -> Iterator[int]:
+        """Weight rows laid out from the source mapping in the sink's one pass, chunk by chunk
+        (checked, hashed, shuffled and written there), each chunk's pages dropped once done."""
         reader = self.reader(info)
         source = self._source_hasher(info)
-        lay_out = p32_rows(t.shape[1])
         for begin, n in chunk_ranges(info, granule=granule, chunk_bytes=CHUNK_BYTES):
             sink.write(reader.bytes(begin, n), lambda _, b=begin, k=n: reader.drop(b, k),
                        scan=nan_scan(info, begin), source=source, lay_out=lay_out,
@@ -244,35 +248,87 @@ class ShardTransform:
     def _fused(self, t: TensorPlan, layer: MoELayerPlan, sink: Sink) -> Iterator[int]:
         """A fused MoE tensor, produced expert by expert (it is contiguous per expert).
 
-        Only one expert's canonical weights are in memory at a time. Canonical scales are
-        taken again for the scale tensors that follow the weights; sources whose canonical
-        bytes are computed (FP8, dense, laid out) keep them from the weight pass instead, which
-        is at most one layer's scales (1/32 of its weights).
+        Nothing of the tensor's size is allocated: FC2 weights (P32 rows) stream from the
+        source mapping with the row shuffle in the sink's pass, as dense weights do; FC1
+        weights are laid out in row chunks into the pool's reused buffers; an expert's scales
+        (1/32 of its weights) are laid out whole. MXFP8 sources never import torch here.
+        Sources whose canonical bytes are computed (FP8, dense, laid out) keep one expert's
+        canonical bytes at a time, and its scales from the weight pass for the scale tensor
+        (at most one layer's scales, 1/32 of its weights).
         """
-        projs, _ = MOE_FUSE[t.role]
-        take = self._expert_weight if t.role.endswith("_weight") else self._expert_scale
+        projs = MOE_FUSE[t.role]
         for e in range(layer.experts):
             modules = [layer.module(p, e) for p in projs]
-            out = fuse_expert(t.role, [take(m) for m in modules])
-            for m in modules:  # read: the fused bytes are a new tensor
-                self._drop(m)
-            sink.write(out)
-            yield out.numel()
-            del out  # the sink holds it until written
+            if t.role == "moe_fc1_weight":
+                yield from self._fc1_weight(modules[0], modules[1], sink)
+            elif t.role == "moe_fc2_weight":
+                yield from self._fc2_weight(modules[0], sink)
+            else:
+                parts = [self._expert_scale(m) for m in modules]
+                out = FUSED_SCALE[t.role](*parts).reshape(-1)
+                for m in modules:
+                    self._drop(m)
+                sink.write(out)
+                yield out.size
 
-    def _expert_weight(self, m: ModulePlan) -> torch.Tensor:
-        q, s = self._canonical(m)
+    def _expert_rows(self, m: ModulePlan) -> tuple[np.ndarray, Scan | None, object]:
+        """An expert projection's canonical weight as a uint8 ``[N, K]`` array, with the scan
+        and source hasher its bytes still need (None for computed ones: checked when made)."""
         if computed(m):
+            q, s = self._canonical(m)
             self.pending[m.name] = (None, s)  # its scale, for the scale tensor
-        else:
-            self.pending.pop(m.name)
-            w = m.weight
-            nan_scan(w, w.begin)(self.reader(w).bytes(w.begin, w.nbytes), 0)
-        return q.reshape(m.n, m.k)
+            return q.reshape(m.n, m.k).contiguous().numpy(), None, None
+        w = m.weight
+        rows = np.frombuffer(self.reader(w).bytes(w.begin, w.nbytes), dtype=np.uint8)
+        return rows.reshape(m.n, m.k), nan_scan(w, w.begin), self._source_hasher(w)
 
-    def _expert_scale(self, m: ModulePlan) -> torch.Tensor:
-        _, s = self._canonical(m)
-        self.pending.pop(m.name)
+    def _fc1_weight(self, up: ModulePlan, gate: ModulePlan, sink: Sink) -> Iterator[int]:
+        """One expert's ``w13`` bytes, in chunks of rows laid out into pooled buffers."""
+        halves = [self._expert_rows(m) for m in (up, gate)]
+        n, k = halves[0][0].shape
+        step = max(P32_BLOCK // 2, CHUNK_BYTES // (2 * k) // 16 * 16)  # rows of each half
+        for r in range(0, n, step):
+            pieces = []
+            for rows, scan, source in halves:
+                piece = rows[r:r + step]
+                if scan is not None or source is not None:
+                    mv = memoryview(piece).cast("B")
+                    if scan is not None:
+                        scan(mv, r * k)
+                    if source is not None:
+                        source.update(mv)
+                pieces.append(piece)
+            buf = self.pool.get(2 * pieces[0].size)
+            moe_fc1_rows_array(*pieces, out=buf)
+            for m in (up, gate):
+                if not computed(m):
+                    self.reader(m.weight).drop(m.weight.begin + r * k, pieces[0].size)
+            sink.write(buf, lambda b: self.pool.release(b))
+            yield buf.size
+
+    def _fc2_weight(self, m: ModulePlan, sink: Sink) -> Iterator[int]:
+        """One expert's ``w2`` bytes: P32 rows, shuffled in the sink's pass (no copy here)."""
+        granule, lay_out = P32_BLOCK * m.k, p32_rows(m.k)
+        if not computed(m):
+            yield from self._rows_from_source(m.weight, sink, granule, lay_out)
+            return
+        flat = self._expert_rows(m)[0].reshape(-1)
+        step = max(granule, CHUNK_BYTES // granule * granule)
+        for begin in range(0, flat.size, step):
+            sink.write(flat[begin:begin + step], lay_out=lay_out, granule=granule)
+            yield min(step, flat.size - begin)
+
+    def _expert_scale(self, m: ModulePlan) -> np.ndarray:
+        """An expert projection's canonical scale, uint8 ``[N, K/32]``, checked and hashed."""
+        if computed(m):
+            _, s = self._canonical(m)
+            self.pending.pop(m.name)
+            return s.view(torch.uint8).reshape(m.n, m.k // 32).contiguous().numpy()
+        info = m.scale
+        self._hash_whole(info)
+        raw = self.reader(info).bytes(info.begin, info.nbytes)
+        s = np.frombuffer(raw, dtype=np.uint8).reshape(m.n, m.k // 32)
+        check_scale_codes(s, info.name)
         return s
 
 
@@ -432,30 +488,18 @@ def dequantized_module(m: ModulePlan, weight: torch.Tensor, scale: torch.Tensor,
     return out.to(dtype)
 
 
-#: fused MoE tensor role -> (expert projections it is made of, in argument order; layout function)
+#: fused MoE tensor role -> the expert projections it is made of, in the layout's argument order
 MOE_FUSE = {
-    "moe_fc1_weight": (("up", "gate"), moe_fc1_weight_from_canonical),
-    "moe_fc1_scale": (("up", "gate"), moe_fc1_scale_from_canonical),
-    "moe_fc2_weight": (("down",), moe_fc2_weight_from_canonical),
-    "moe_fc2_scale": (("down",), moe_fc2_scale_from_canonical),
+    "moe_fc1_weight": ("up", "gate"),
+    "moe_fc1_scale": ("up", "gate"),
+    "moe_fc2_weight": ("down",),
+    "moe_fc2_scale": ("down",),
 }
-
-
-def fuse_expert(role: str, parts: list[torch.Tensor]) -> torch.Tensor:
-    """One expert's bytes of the fused MoE tensor ``role`` (a key of ``MOE_FUSE``), flat uint8.
-
-    Args:
-        role: ``moe_fc1_weight`` / ``moe_fc2_weight`` (``parts`` are canonical uint8 ``[I, H]``
-            up and gate, or ``[H, I]`` down) or ``moe_fc1_scale`` / ``moe_fc2_scale`` (their
-            canonical ``[rows, K/32]`` scales).
-        parts: the canonical tensors, in the order ``MOE_FUSE[role]`` names them.
-
-    Returns:
-        uint8 ``[2I*H]``, ``[H*I]`` or the flat 128x4 tiles: expert ``e``'s slice of the
-        stacked tensor.
-    """
-    _, lay_out = MOE_FUSE[role]
-    return lay_out(*(p.view(torch.uint8) for p in parts)).view(torch.uint8).reshape(-1)
+#: fused MoE scale role -> its layout of one expert's numpy scales (the converter's; no torch)
+FUSED_SCALE = {
+    "moe_fc1_scale": moe_fc1_scale_from_canonical_array,
+    "moe_fc2_scale": moe_fc2_scale_from_canonical_array,
+}
 
 
 def expert_from_fused(m: ModulePlan, weight: torch.Tensor,

@@ -47,6 +47,8 @@ layout, not a detail of this one.
 
 from __future__ import annotations
 
+import numpy as np
+
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts._common import as_bytes
@@ -54,9 +56,15 @@ from mxfp8_convert.layouts.rows import (
     P32_BLOCK,
     p32_row_indices,
     p32_shuffle_rows,
+    p32_shuffle_rows_array,
     p32_unshuffle_rows,
 )
-from mxfp8_convert.layouts.swizzle import TILE_BYTES, swizzle_128x4, unswizzle_128x4
+from mxfp8_convert.layouts.swizzle import (
+    TILE_BYTES,
+    swizzle_128x4,
+    swizzle_128x4_array,
+    unswizzle_128x4,
+)
 
 MX_BLOCK = 32  # MXFP8: one UE8M0 scale per 1x32 block along K
 MOE_ALIGN = 128  # H and I: 128x4 scale tiles without padding, FlashInfer's MXFP8 prepare check
@@ -324,6 +332,56 @@ def moe_fc1_scale_to_canonical(
     return _fc1_unpack(s)
 
 
+def moe_fc1_rows_array(up: np.ndarray, gate: np.ndarray,
+                       out: np.ndarray | None = None) -> np.ndarray:
+    """:func:`moe_fc1_weight_from_canonical` of one expert's rows, in numpy (no torch).
+
+    The FC1 permutation moves rows only within 32-row output blocks, and output block ``b``
+    holds rows ``16b .. 16b+15`` of ``up`` and of ``gate``; so rows ``[16j, 16(j+n))`` of both
+    halves give output rows ``[32j, 32(j+n))`` on their own, and an expert can be laid out in
+    row chunks (the converter writes a fused ``w13`` so, through one reused buffer).
+
+    Args:
+        up: uint8 ``[R, K]`` rows of the linear half (``R % 16 == 0``; may be read-only, e.g.
+            a source mapping).
+        gate: uint8 ``[R, K]``, the same rows of the activated half.
+        out: a uint8 array of ``2 * R * K`` bytes (any shape) to receive them, or None.
+
+    Returns:
+        uint8 ``[2R, K]``: ``out`` reshaped, or a new array.
+
+    Raises:
+        LayoutError: on mismatched inputs or ``R % 16 != 0``.
+    """
+    if up.shape != gate.shape or up.ndim != 2:
+        raise LayoutError(f"FC1 rows: up {list(up.shape)} and gate {list(gate.shape)} must be "
+                          "the same [R, K]")
+    r, k = up.shape
+    if r % (P32_BLOCK // 2):
+        raise LayoutError(f"FC1 rows: {r} rows of each half is not a multiple of 16")
+    out = np.empty((2 * r, k), dtype=np.uint8) if out is None else out.reshape(2 * r, k)
+    blocks = out.reshape(r // 16, 2, 2, 8, k)  # (b, a//2, a%2, c, K), as _fc1_pack
+    for half, src in enumerate((up, gate)):
+        blocks[:, :, half] = src.reshape(r // 16, 8, 2, k).transpose(0, 2, 1, 3)
+    return out
+
+
+def moe_fc1_scale_from_canonical_array(up_s: np.ndarray, gate_s: np.ndarray) -> np.ndarray:
+    """:func:`moe_fc1_scale_from_canonical` of one expert, in numpy (no torch).
+
+    Args:
+        up_s: uint8 ``[I, H/32]`` scales of ``up``; ``gate_s``: the same of ``gate``.
+
+    Returns:
+        uint8 ``[2I/128, H/128, 512]`` tiles, the same bytes as the torch function.
+    """
+    if up_s.shape != gate_s.shape or up_s.ndim != 2:
+        raise LayoutError(f"FC1 scale: up {list(up_s.shape)} and gate {list(gate_s.shape)} "
+                          "must be the same [I, H/32]")
+    _require(up_s.shape[1] * MX_BLOCK, up_s.shape[0], "FC1 scale")
+    return swizzle_128x4_array(moe_fc1_rows_array(up_s, gate_s))
+
+
 # --- FC2: down ------------------------------------------------------------------------------
 
 
@@ -380,3 +438,18 @@ def moe_fc2_scale_to_canonical(t: torch.Tensor, hidden: int, intermediate: int) 
     """
     _require(hidden, intermediate, "FC2 scale")
     return _p32(unswizzle_128x4(t, hidden, intermediate // MX_BLOCK), inverse=True)
+
+
+def moe_fc2_scale_from_canonical_array(down_s: np.ndarray) -> np.ndarray:
+    """:func:`moe_fc2_scale_from_canonical` of one expert, in numpy (no torch).
+
+    Args:
+        down_s: uint8 ``[H, I/32]``.
+
+    Returns:
+        uint8 ``[H/128, I/128, 512]`` tiles, the same bytes as the torch function.
+    """
+    if down_s.ndim != 2:
+        raise LayoutError(f"FC2 scale needs [H, I/32], got {list(down_s.shape)}")
+    _require(down_s.shape[0], down_s.shape[1] * MX_BLOCK, "FC2 scale")
+    return swizzle_128x4_array(p32_shuffle_rows_array(down_s))

@@ -8,6 +8,7 @@ so the 128x4 step is checked against the docs/LAYOUTS.md section 2 offset formul
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from hypothesis import given, settings
@@ -151,6 +152,40 @@ def test_forward_matches_flashinfer(e, h, i, seed):
     fc2_s = moe.moe_fc2_scale_from_canonical(t["down_s"])
     want_s = fi_fc2_scale(t["down_s"]).view(moe.moe_fc2_scale_shape(h, i, e))
     assert_bytes_equal(fc2_s, want_s, TILE_DIMS)
+
+
+@settings(max_examples=12, deadline=None)
+@given(h=SIZES, i=SIZES, chunk=st.sampled_from([16, 32, 48, 128]), seed=st.integers(0, 2**16))
+def test_numpy_forward_in_row_chunks_matches_flashinfer(h, i, chunk, seed):
+    """The converter's numpy path: FC1 weights laid out in chunks of ``chunk`` rows of each half
+    (any multiple of 16), FC1/FC2 scales per expert, against FlashInfer's permutations."""
+    t = expert_tensors(1, h, i, seed)
+    up, gate = t["up"][0].numpy(), t["gate"][0].numpy()
+    parts = [moe.moe_fc1_rows_array(up[r:r + chunk], gate[r:r + chunk]) for r in range(0, i, chunk)]
+    got = torch.from_numpy(np.concatenate(parts))[None]
+    assert_bytes_equal(got, fi_fc1_weight(t["up"], t["gate"]), W_DIMS)
+    out = np.full(2 * i * h, 7, dtype=np.uint8)  # into a given buffer, every byte overwritten
+    moe.moe_fc1_rows_array(up, gate, out=out)
+    assert_bytes_equal(torch.from_numpy(out).view(1, 2 * i, h), got, W_DIMS)
+    fc1_s = moe.moe_fc1_scale_from_canonical_array(t["up_s"][0].numpy(), t["gate_s"][0].numpy())
+    want = fi_fc1_scale(t["up_s"], t["gate_s"]).view(moe.moe_fc1_scale_shape(h, i, 1))
+    assert_bytes_equal(torch.from_numpy(fc1_s)[None], want, TILE_DIMS)
+    fc2_s = moe.moe_fc2_scale_from_canonical_array(t["down_s"][0].numpy())
+    want = fi_fc2_scale(t["down_s"]).view(moe.moe_fc2_scale_shape(h, i, 1))
+    assert_bytes_equal(torch.from_numpy(fc2_s)[None], want, TILE_DIMS)
+
+
+def test_numpy_forward_refuses_bad_shapes():
+    a = np.zeros((24, 64), dtype=np.uint8)
+    with pytest.raises(LayoutError, match="24 rows of each half is not a multiple of 16"):
+        moe.moe_fc1_rows_array(a, a)
+    with pytest.raises(LayoutError, match="must be the same"):
+        moe.moe_fc1_rows_array(a[:16], a[:32])
+    s = np.zeros((96, 8), dtype=np.uint8)  # I = 96: not a multiple of 128
+    with pytest.raises(LayoutError, match="H=256, I=96"):
+        moe.moe_fc1_scale_from_canonical_array(s, s)
+    with pytest.raises(LayoutError, match="H=96"):
+        moe.moe_fc2_scale_from_canonical_array(np.zeros((96, 4), np.uint8))
 
 
 def test_first_diff_names_the_place():
