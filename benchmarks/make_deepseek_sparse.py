@@ -9,7 +9,7 @@ scales). Weight bytes read back as zeros (e4m3 +0), so the files cost no disk; `
 keeps a subset (embeddings, head and the first layers) for conversion benchmarks.
 
 Usage: python benchmarks/make_deepseek_sparse.py DIR [--format block_fp8|mxfp8] [--layers N]
-       [--scales real|holes]
+       [--scales real|holes] [--experts E]
 """
 
 from __future__ import annotations
@@ -41,7 +41,8 @@ def _linear(p: str, n: int, k: int, fmt: str) -> list[tuple[str, str, tuple[int,
     return [(f"{p}.weight", "F8_E4M3", (n, k)), scale]
 
 
-def layer_tensors(i: int, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
+def layer_tensors(i: int, fmt: str,
+                  experts: int = EXPERTS) -> list[tuple[str, str, tuple[int, ...]]]:
     p = f"model.layers.{i}"
     out = [(f"{p}.{name}.weight", "BF16", (d,)) for name, d in NORMS]
     for name, n, k in ATTN:
@@ -54,10 +55,10 @@ def layer_tensors(i: int, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
             + _linear(f"{p}.mlp.down_proj", H, I_DENSE, fmt)
         )
     out += [
-        (f"{p}.mlp.gate.weight", "BF16", (EXPERTS, H)),
-        (f"{p}.mlp.gate.e_score_correction_bias", "F32", (EXPERTS,)),
+        (f"{p}.mlp.gate.weight", "BF16", (experts, H)),
+        (f"{p}.mlp.gate.e_score_correction_bias", "F32", (experts,)),
     ]
-    for e in [*range(EXPERTS), "shared"]:
+    for e in [*range(experts), "shared"]:
         q = f"{p}.mlp.shared_experts" if e == "shared" else f"{p}.mlp.experts.{e}"
         out += (
             _linear(f"{q}.gate_proj", I_MOE, H, fmt)
@@ -76,10 +77,11 @@ def layer_tensors(i: int, fmt: str) -> list[tuple[str, str, tuple[int, ...]]]:
     return out
 
 
-def all_tensors(fmt: str, layers: int) -> list[tuple[str, str, tuple[int, ...]]]:
+def all_tensors(fmt: str, layers: int,
+                experts: int = EXPERTS) -> list[tuple[str, str, tuple[int, ...]]]:
     out = [("model.embed_tokens.weight", "BF16", (VOCAB, H))]
     for i in range(min(layers, LAYERS + 1)):
-        out += layer_tensors(i, fmt)
+        out += layer_tensors(i, fmt, experts)
     return out + [("model.norm.weight", "BF16", (H,)), ("lm_head.weight", "BF16", (VOCAB, H))]
 
 
@@ -90,7 +92,7 @@ def _nbytes(t) -> int:
     return n
 
 
-def config(fmt: str, layers: int) -> dict:
+def config(fmt: str, layers: int, experts: int = EXPERTS) -> dict:
     q = (
         {
             "quant_method": "fp8",
@@ -113,7 +115,7 @@ def config(fmt: str, layers: int) -> dict:
         "hidden_size": H,
         "intermediate_size": I_DENSE,
         "moe_intermediate_size": I_MOE,
-        "n_routed_experts": EXPERTS,
+        "n_routed_experts": experts,
         "n_shared_experts": 1,
         "num_hidden_layers": min(layers, LAYERS),
         "first_k_dense_replace": DENSE_LAYERS,
@@ -137,10 +139,12 @@ def main() -> None:
         "--layers", type=int, default=LAYERS + 1, help="layers kept (default all 62, MTP included)"
     )
     ap.add_argument("--scales", choices=["real", "holes"], default="real")
+    ap.add_argument("--experts", type=int, default=EXPERTS,
+                    help=f"routed experts per MoE layer (default {EXPERTS}, fewer for quick runs)")
     args = ap.parse_args()
     root = Path(args.dir)
     root.mkdir(parents=True, exist_ok=True)
-    tensors = all_tensors(args.format, args.layers)
+    tensors = all_tensors(args.format, args.layers, args.experts)
     total = sum(_nbytes(t) for t in tensors)
     shards = (
         SHARDS if args.layers > LAYERS else max(1, round(total / 4.3e9))
@@ -165,7 +169,8 @@ def main() -> None:
         size += write_sparse_safetensors(root / fn, g, data)
         weight_map.update({name: fn for name, _, _ in g})
     write_index(root, weight_map, total)
-    (root / "config.json").write_text(json.dumps(config(args.format, args.layers), indent=1))
+    cfg = config(args.format, args.layers, args.experts)
+    (root / "config.json").write_text(json.dumps(cfg, indent=1))
     fp8 = sum(1 for t in tensors if t[1] == "F8_E4M3")
     print(
         f"{root}: {len(tensors)} tensors ({fp8} FP8 weights), {len(groups)} shards, "
