@@ -439,3 +439,25 @@ def test_fused_moe_memory_bounded(tmp_path):
     assert 22 * expert > 900 * 2**20  # the extra experts: far more than the allowance
     assert big - small < 64 * 2**20, (big / 2**20, small / 2**20)
     assert big < 400 * 2**20, big / 2**20  # issue 25's floor for the fused MoE
+
+
+@pytest.mark.parametrize("name", ["sglang_mxfp8", "e8m0"])
+def test_mxfp8_fusion_never_imports_torch(sources, tmp_path, name):
+    """Fusing the experts of an MXFP8 source only moves bytes (numpy layouts): torch stays
+    unloaded, and the fused tensors are those of the in-process conversion (which the tests
+    above check against FlashInfer's helpers)."""
+    import subprocess
+    import sys
+
+    src, _ = sources[name]
+    code = ("import sys; from mxfp8_convert import convert; "
+            f"convert({str(src)!r}, 'trtllm', {str(tmp_path / 'sub')!r}); "
+            "assert 'torch' not in sys.modules, 'torch was imported'")
+    subprocess.run([sys.executable, "-c", code], check=True)
+    convert(src, "trtllm", tmp_path / "in")
+    got, _ = load_all(tmp_path / "sub")
+    want, _ = load_all(tmp_path / "in")
+    assert sorted(got) == sorted(want)
+    assert {f"{b}.{f}" for b in BLOCKS for f in FUSED} <= set(got)
+    for k in want:
+        assert torch.equal(u8(got[k]), u8(want[k])), k
