@@ -3,12 +3,13 @@ flashinfer.
 
 ``ShardTransform`` produces an output shard's tensors one after the other and hands their bytes
 to a sink (``write.ShardWriter``): unchanged bytes straight from the source mapping, P32 rows
-from it too, with the shuffle for the sink to do block by block in its one pass, and modules
-whose canonical bytes must be computed (laid-out, FP8 and dense sources, fused MoE experts) one
-module at a time. The weight is laid out in row chunks (P32 moves rows only within 32-row
-blocks, so any chunk of a multiple of 32 rows is laid out on its own), which keeps memory
-bounded by the chunk, not the tensor. Scales are ~1/32 of the weight and are laid out whole.
-The functions below it are the per-module math, also used by ``verify``.
+from it too, with the shuffle for the sink to do block by block in its one pass, fused MoE
+tensors expert by expert (``_fused``), and modules whose canonical bytes must be computed
+(laid-out, FP8 and dense sources) one module at a time. The weight is laid out in row chunks
+(P32 moves rows only within 32-row blocks, so any chunk of a multiple of 32 rows is laid out on
+its own), which keeps memory bounded by the chunk, not the tensor. Scales are ~1/32 of the
+weight and are laid out whole. The functions below it are the per-module math, also used by
+``verify``.
 """
 
 from __future__ import annotations
