@@ -206,7 +206,10 @@ def detect_source(config: dict | None, quant_files: dict[str, object], tensors,
             raise FormatError(f"{file}: {what} is not supported; mxfp8-convert reads MXFP8, FP8 "
                               "and BF16/FP16/FP32 checkpoints", hint=REFUSED_HINT)
     infos = tensors if isinstance(tensors, dict) else {n: None for n in tensors}
+    refused = tuple(suffix for suffix, _ in UNSUPPORTED_TENSORS)
     for name in infos:
+        if not name.endswith(refused):  # one test of every name against all the suffixes
+            continue
         for suffix, what in UNSUPPORTED_TENSORS:
             if name.endswith(suffix):
                 raise FormatError(f"tensor {name!r}: {what} is not supported; mxfp8-convert reads "
@@ -347,15 +350,20 @@ def evidence_problem(spec: FormatSpec, infos: dict) -> str | None:
     want = UE8M0_DTYPES if spec.kind == "mxfp8" else FLOAT_DTYPES
     wanted = "U8 or F8_E8M0" if spec.kind == "mxfp8" else "floating point"
     kind = "MXFP8" if spec.kind == "mxfp8" else "FP8"
-    found = 0
-    for name, info in sorted(f8.items()):
+    found, wrong = 0, False
+    for name, info in f8.items():
         s = _scale_of(infos, name, spec.scale_suffix)
         if s is None:
             continue
         if s.dtype not in want or info.dtype != "F8_E4M3":
+            wrong = True
+            break
+        found += 1
+    for name, info in sorted(f8.items()) if wrong else ():  # the first wrong pair by name
+        s = _scale_of(infos, name, spec.scale_suffix)
+        if s is not None and (s.dtype not in want or info.dtype != "F8_E4M3"):
             return (f"{s.file}: scale {s.name!r} has dtype {s.dtype}; {kind} scales are {wanted} "
                     f"(weight {name!r} is {info.dtype}; the source declares {spec.description})")
-        found += 1
     if not found:
         dtypes = sorted({i.dtype for n, i in infos.items() if n.endswith(".weight")})
         return (f"{spec.name}: no float8_e4m3fn weight with a {spec.scale_suffix} scale "

@@ -267,14 +267,54 @@ def _json_loads(
     raw: bytes, rel: str, what: str = "not valid JSON", *, max_depth: int | None = None
 ):
     """Parse JSON bytes, or raise SourceError ``rel: what``. Objects with repeated keys come back
-    as ``_Pairs`` (see ``_repeated``)."""
+    as ``_Pairs`` (see ``_repeated``).
+
+    Without a backslash in the text every ``"`` delimits a string, so a parse that keeps as many
+    strings (keys and values) as the text has pairs of quotes dropped no repeated key: then the
+    hook that finds them, a Python call per object, is not needed.
+    """
     try:
-        obj = json.loads(raw.decode("utf-8"), object_pairs_hook=_object_pairs)
+        text = raw.decode("utf-8")
+        obj, depth = None, None
+        if "\\" not in text:
+            obj = json.loads(text)
+            strings, depth = _strings_and_depth(obj)
+            if 2 * strings != text.count('"'):
+                obj, depth = None, None
+        if depth is None:
+            obj = json.loads(text, object_pairs_hook=_object_pairs)
     except (UnicodeDecodeError, ValueError, RecursionError):  # ValueError: also >4300-digit ints
         raise _fail(rel, what) from None
-    if max_depth is not None and _depth_exceeds(obj, max_depth):
+    if max_depth is not None and (
+        depth > max_depth if depth is not None else _depth_exceeds(obj, max_depth)
+    ):
         raise _fail(rel, f"nested more than {max_depth} levels deep")
     return obj
+
+
+def _strings_and_depth(obj) -> tuple[int, int]:
+    """How many strings (object keys included) a parsed JSON value holds, and how deep its
+    objects and arrays nest (0 for a scalar, 1 for a flat object)."""
+    strings, deepest = 0, 0
+    stack = [(obj, 1)]
+    while stack:
+        o, depth = stack.pop()
+        if type(o) is dict:
+            strings += len(o)
+            children = o.values()
+        elif type(o) is list:
+            children = o
+        else:
+            strings += type(o) is str
+            continue
+        deepest = max(deepest, depth)
+        for c in children:
+            t = type(c)
+            if t is str:
+                strings += 1
+            elif t is dict or t is list:
+                stack.append((c, depth + 1))
+    return strings, deepest
 
 
 def _depth_exceeds(obj, limit: int) -> bool:
@@ -585,6 +625,8 @@ def _check_weight_map(weight_map: dict[str, str], tensors: dict[str, TensorInfo]
             raise SourceError(
                 f"{INDEX_NAME}: tensor {name!r} is listed in {rel} but stored in {info.file}"
             )
+    if len(tensors) == len(weight_map):  # every name of weight_map is a tensor: none missing
+        return
     missing = sorted(set(tensors) - set(weight_map))
     if missing:
         raise SourceError(
@@ -838,15 +880,25 @@ _AS_F32 = {
 }
 
 
+#: scales at most this many bytes apart are read with one ``pread`` (the bytes between them are
+#: read and dropped): a system call costs about what copying this much from the page cache does
+SCALE_READ_GAP = 16 * 1024
+#: the most one such ``pread`` reads
+SCALE_READ_MAX = 32 * 1024 * 1024
+
+
 def pow2_scales(ckpt_root: Path, scales: list[TensorInfo]) -> dict[str, bool]:
     """Scale name -> whether every multiplier of that float scale tensor is an exact power of
     two in ``[2^-127, 2^127]``: then it maps losslessly to UE8M0 (an FP8 pair converts without
     requantizing). The one fact about tensor data a plan needs.
 
-    Each file is opened (and its path checked) once, each scale read with one ``pread`` (a
-    mapping would fault in the pages around every scale: on sparse weights, gigabytes of
-    zeros); the scales of one file are tested together with numpy on their float32 bits (the
-    values ``.to(torch.float32)`` gives). Tensors of other dtypes are left out.
+    Each file is opened (and its path checked) once and told that it is read at random
+    (``POSIX_FADV_RANDOM``: no readahead, which on sparse or cold files would read the weights
+    around every scale); its scales are read in file order with one ``pread`` per run of scales
+    at most ``SCALE_READ_GAP`` bytes apart (safetensors stores a file's float32 scales side by
+    side: one read; a mapping would fault in the pages around every scale), and tested together
+    with numpy on their float32 bits (the values ``.to(torch.float32)`` gives). Tensors of
+    other dtypes are left out.
 
     Raises:
         LayoutError: a zero, negative, NaN or Inf multiplier, naming the tensor, the value and
@@ -859,44 +911,68 @@ def pow2_scales(ckpt_root: Path, scales: list[TensorInfo]) -> dict[str, bool]:
             by_file.setdefault(s.file, []).append(s)
     out: dict[str, bool] = {}
     for rel in sorted(by_file):  # a file at a time: memory bounded by one file's scales
-        group = by_file[rel]
+        group = sorted(by_file[rel], key=lambda i: i.begin)
         f, size = _open_regular(ckpt_root, rel, what="shard")
         with f:
-            data = {}
-            for info in sorted(group, key=lambda i: i.begin):  # one pread each, in file order
+            for info in group:  # before any read: the first (in file order) the file cannot hold
                 if info.begin + info.nbytes > size:
                     raise SourceError(f"{rel}: file ended inside tensor {info.name!r} (truncated?)")
-                try:
-                    raw = os.pread(f.fileno(), info.nbytes, info.begin) if info.nbytes else b""
-                except OSError as e:
-                    raise _fail(rel, f"cannot be read ({_reason(e)})") from None
-                if len(raw) != info.nbytes:
-                    raise SourceError(f"{rel}: file ended inside tensor {info.name!r} (truncated?)")
-                data[info.name] = raw
+            if hasattr(os, "posix_fadvise"):
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
+            data = _read_runs(f.fileno(), rel, group)
         out.update(_pow2_of(group, data))
     return out
 
 
-def _pow2_of(group: list[TensorInfo], data: dict[str, bytes]) -> dict[str, bool]:
-    """``pow2_scales`` of the scales of one file, ``data``: name -> bytes."""
+def _read_runs(fd: int, rel: str, group: list[TensorInfo]) -> list[memoryview]:
+    """The bytes of each tensor of ``group`` (sorted by offset), read with one ``pread`` per run
+    of tensors at most ``SCALE_READ_GAP`` bytes apart (and ``SCALE_READ_MAX`` long)."""
+    data: list[memoryview] = []
+    i = 0
+    while i < len(group):
+        start, end, j = group[i].begin, group[i].begin + group[i].nbytes, i + 1
+        while j < len(group):
+            b, e = group[j].begin, group[j].begin + group[j].nbytes
+            if b - end > SCALE_READ_GAP or max(e, end) - start > SCALE_READ_MAX:
+                break
+            end, j = max(e, end), j + 1
+        try:
+            buf = memoryview(os.pread(fd, end - start, start)) if end > start else memoryview(b"")
+        except OSError as e:
+            raise _fail(rel, f"cannot be read ({_reason(e)})") from None
+        for info in group[i:j]:
+            at = info.begin - start
+            if at + info.nbytes > len(buf):  # the file shrank since it was opened
+                raise SourceError(f"{rel}: file ended inside tensor {info.name!r} (truncated?)")
+            data.append(buf[at : at + info.nbytes])
+        i = j
+    return data
+
+
+def _pow2_of(group: list[TensorInfo], data: list[memoryview]) -> dict[str, bool]:
+    """``pow2_scales`` of the scales of one file, ``data[i]`` the bytes of ``group[i]``."""
     out = {}
     for dtype in sorted({s.dtype for s in group}):
-        same = [s for s in group if s.dtype == dtype]
-        raw = b"".join([data[s.name] for s in same])
+        idx = [i for i, s in enumerate(group) if s.dtype == dtype]
+        same = [group[i] for i in idx]
+        raw = b"".join([data[i] for i in idx])
         with np.errstate(over="ignore"):  # F64 beyond float32: inf, refused below
             bits = _AS_F32[dtype](raw).view(np.uint32)
         sizes = np.array([s.nbytes // ST_DTYPES[dtype][1] for s in same], dtype=np.int64)
-        # on the float32 bits: NaN/Inf (exponent 255) or a sign bit (>= 0x7F800000), or +0
-        bad = (bits >= 0x7F800000) | (bits == 0)
-        # a positive finite power of two: mantissa 0, or the subnormal 2^-127 (mantissa 1 << 22)
-        pow2 = ((bits & 0x7FFFFF) == 0) | (bits == 1 << 22)
         starts = np.concatenate(([0], np.cumsum(sizes)[:-1]))
         nonempty = sizes > 0
         tensor_bad = np.zeros(len(same), dtype=bool)
         tensor_pow2 = np.ones(len(same), dtype=bool)
         if nonempty.any():
-            tensor_bad[nonempty] = np.logical_or.reduceat(bad, starts[nonempty])
-            tensor_pow2[nonempty] = np.logical_and.reduceat(pow2, starts[nonempty])
+            at = starts[nonempty]
+            # a finite positive float32 is 1 .. 0x7F7FFFFF: bits - 1 wraps +0 to 2^32 - 1, and
+            # NaN, Inf and every sign bit are above
+            tensor_bad[nonempty] = np.maximum.reduceat(bits - np.uint32(1), at) >= 0x7F7FFFFF
+            # a positive finite power of two: mantissa 0, or the subnormal 2^-127 (1 << 22):
+            # then the smaller of the mantissa and ``bits ^ (1 << 22)`` is 0
+            low = np.bitwise_and(bits, np.uint32(0x7FFFFF))
+            np.minimum(low, bits ^ np.uint32(1 << 22), out=low)
+            tensor_pow2[nonempty] = np.maximum.reduceat(low, at) == 0
         for j in np.flatnonzero(tensor_bad)[:1].tolist():
             s = same[j]
             _refuse_scale(s, bits[starts[j] : starts[j] + sizes[j]].view(np.float32))

@@ -12,25 +12,37 @@ from __future__ import annotations
 import json
 import sys
 from contextlib import contextmanager
+from typing import TYPE_CHECKING
 
-from rich.console import Console
-from rich.progress import (
-    BarColumn,
-    DownloadColumn,
-    Progress,
-    TextColumn,
-    TimeRemainingColumn,
-    TransferSpeedColumn,
-)
-from rich.table import Table
+if TYPE_CHECKING:
+    from rich.console import Console
+    from rich.table import Table
 
 
 class Output:
+    """The CLI's stdout and stderr. rich is imported the first time something is printed
+    through it: a ``--json`` run that succeeds never needs it."""
+
     def __init__(self, *, as_json: bool = False, quiet: bool = False) -> None:
         self.as_json = as_json
         self.quiet = quiet
-        self.out = Console(file=sys.stdout, soft_wrap=True, highlight=False)
-        self.err = Console(file=sys.stderr, soft_wrap=True, highlight=False)
+        self._files = (sys.stdout, sys.stderr)  # the streams of when the command started
+        self._consoles: dict[int, Console] = {}
+
+    def _console(self, i: int) -> Console:
+        if i not in self._consoles:
+            from rich.console import Console
+
+            self._consoles[i] = Console(file=self._files[i], soft_wrap=True, highlight=False)
+        return self._consoles[i]
+
+    @property
+    def out(self) -> Console:
+        return self._console(0)
+
+    @property
+    def err(self) -> Console:
+        return self._console(1)
 
     @property
     def interactive(self) -> bool:
@@ -87,6 +99,15 @@ class Output:
         if not self.interactive:
             yield lambda e: None
             return
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TimeRemainingColumn,
+            TransferSpeedColumn,
+        )
+
         bar = Progress(TextColumn("{task.description}"), BarColumn(), DownloadColumn(),
                        TransferSpeedColumn(), TimeRemainingColumn(), console=self.err,
                        transient=True)
@@ -106,6 +127,8 @@ class Output:
 
 def table(title: str, columns: list[str], rows: list[list]) -> Table:
     """A rich table; without a header row when every column name is empty (key-value tables)."""
+    from rich.table import Table
+
     t = Table(title=title, title_justify="left", show_header=any(columns))
     for c in columns:
         t.add_column(c, overflow="fold")

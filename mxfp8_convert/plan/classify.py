@@ -10,6 +10,7 @@ from __future__ import annotations
 import fnmatch
 import math
 from dataclasses import dataclass
+from operator import itemgetter
 
 from mxfp8_convert.architecture import QUANTIZED_KINDS, NameRules
 from mxfp8_convert.backends import BACKENDS, BackendSpec
@@ -119,7 +120,7 @@ def _quantized_pairs(
                 f"{module + '.' + suffixes[0]!r}"
             )
         out.append((module, info, scale))
-    return sorted(out, key=lambda m: m[0])
+    return sorted(out, key=itemgetter(0))
 
 
 _ARCHITECTURES: dict[str, object] = {}
@@ -307,11 +308,18 @@ def _classified(ckpt, fmt, src: BackendSpec | None, lossless: dict[str, bool] | 
             _check_fp8_pair(fmt, w, s)
         if lossless is None:
             lossless = pow2_scales(ckpt.root, [s for _, _, s in pairs])
-    out = []
-    for module, w, s in pairs:
-        n, k, action = _classify(fmt, src, w, s, lossless)
-        src_name = src.name if src is not None and s.name.endswith("." + SWIZZLED_SUFFIX) else None
-        out.append((module, w, s, n, k, action, src_name))
+    if fmt.kind in ("block_fp8", "fp8"):  # what _classify says, without a call per pair
+        out = [(module, w, s, *w.shape, "lossless" if lossless[s.name] else "requantize", None)
+               for module, w, s in pairs]
+    elif fmt.kind == "mxfp8" and src is None:
+        out = [(module, w, s, *_check_mxfp8_pair(w, s), "relayout", None)
+               for module, w, s in pairs]
+    else:
+        out = []
+        for module, w, s in pairs:
+            n, k, action = _classify(fmt, src, w, s, lossless)
+            swizzled = src is not None and s.name.endswith("." + SWIZZLED_SUFFIX)
+            out.append((module, w, s, n, k, action, src.name if swizzled else None))
     consumed = {t.name for _, w, s in pairs for t in (w, s)}
     if src is not None:  # the fused MoE tensors a laid-out source holds are un-fused
         consumed |= {

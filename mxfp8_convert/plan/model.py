@@ -8,6 +8,7 @@ Nothing here reads a file.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from mxfp8_convert.dtypes import itemsize
 from mxfp8_convert.errors import LayoutError
@@ -54,9 +55,12 @@ class ExpertSlice:
     intermediate: int
 
 
-@dataclass(frozen=True, slots=True)
-class ModulePlan:
-    """One linear module of the source and what happens to it."""
+class ModulePlan(NamedTuple):
+    """One linear module of the source and what happens to it.
+
+    Immutable, as a frozen dataclass would be, and built in a fraction of its time: a
+    DeepSeek-V3 plan has 45,808 of them, each MoE expert's built twice (found, then fused).
+    """
 
     name: str  # module prefix, e.g. "model.layers.0.mlp.up_proj"
     n: int
@@ -346,8 +350,8 @@ def module_of(name: str) -> str:
 
 
 def revised(m: ModulePlan, *, action: str, layout: str, reason: str | None) -> ModulePlan:
-    """``m`` with another action, layout and reason. (``dataclasses.replace`` looks the fields
-    up on every call, and this runs once per expert of every MoE block.)"""
+    """``m`` with another action, layout and reason. (Positional: ``_replace`` goes through a
+    dict of keywords, and this runs once per expert of every MoE block.)"""
     return ModulePlan(
         m.name,
         m.n,

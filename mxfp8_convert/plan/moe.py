@@ -43,6 +43,10 @@ def expert_key(module: str) -> tuple[str, int, str] | None:
     """``(block, expert, role)`` of a per-expert projection, e.g.
     ``("model.layers.3.mlp.experts", 7, "up")`` for ``model.layers.3.mlp.experts.7.up_proj``;
     None for any other module."""
+    block, _, rest = module.rpartition(".experts.")
+    expert, dot, proj = rest.partition(".")
+    if block and dot and proj in EXPERT_PROJS and expert.isdecimal() and "\n" not in module:
+        return f"{block}.experts", int(expert), EXPERT_PROJS[proj]  # what EXPERT_RE finds
     m = EXPERT_RE.match(module)
     if m is None or m["proj"] not in EXPERT_PROJS:
         return None
