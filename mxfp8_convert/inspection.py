@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from mxfp8_convert._gc import paused_gc
 from mxfp8_convert.backends import BACKENDS, KERNEL_BACKENDS
 from mxfp8_convert.errors import ConvertError
 from mxfp8_convert.format import CANONICAL_LAYOUT, COMPLETE_MARKER, SWIZZLED_SUFFIX
@@ -104,6 +105,7 @@ class InspectReport:
         }
 
 
+@paused_gc()  # a report per module and three plans, no cycles (``_gc``)
 def inspect_checkpoint(
     path: str | Path, *, source_format: str | None = None, revision: str | None = None
 ) -> InspectReport:

@@ -27,6 +27,7 @@ from typing import NamedTuple
 
 import numpy as np
 
+from mxfp8_convert._gc import paused_gc
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.dtypes import ST_DTYPES, torch_dtype
 from mxfp8_convert.errors import LayoutError, SourceError
@@ -419,20 +420,22 @@ def _fast_header(
     tensors: dict[str, TensorInfo] = {}
     spans = []
     limit = 2**48
+    itemsize = _ITEMSIZE.get
     for name, e in top.items():
         if type(e) is not dict or len(e) != 3:
             return None
-        dtype, shape, offsets = e.get("dtype"), e.get("shape"), e.get("data_offsets")
-        item = _ITEMSIZE.get(dtype) if type(dtype) is str else None
+        try:  # a missing key, or offsets that are not two values
+            dtype, shape, (begin, end) = e["dtype"], e["shape"], e["data_offsets"]
+        except (KeyError, TypeError, ValueError):
+            return None
+        item = itemsize(dtype) if type(dtype) is str else None
         if (
             item is None
             or type(shape) is not list
-            or type(offsets) is not list
-            or len(offsets) != 2
+            or type(begin) is not int
+            or type(end) is not int
+            or not 0 <= begin <= end
         ):
-            return None
-        begin, end = offsets
-        if type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
             return None
         nbytes = item
         for d in shape:
@@ -565,6 +568,7 @@ def _shard_names(root: Path) -> tuple[list[str], dict | None]:
     raise SourceError(f"{root}: no model.safetensors, shards or {INDEX_NAME} found")
 
 
+@paused_gc()  # ~10^5 header entries and tensor locations, no cycles (``_gc``)
 def open_checkpoint(root: str | os.PathLike) -> SourceCheckpoint:
     """Read and validate everything but tensor data: config, index, every shard header.
 

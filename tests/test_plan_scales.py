@@ -1,8 +1,8 @@
 """The reader's batched FP8 scale test agrees with the per-tensor torch test it replaced.
 
-``plan.fp8_lossless`` (the reader's ``read.pow2_scales``) maps every scale file once and tests
-powers of two with numpy on the float32 bits; ``quantize.fp8_scales_are_pow2`` (torch, one
-tensor at a time) is the reference.
+``plan.fp8_lossless`` (the reader's ``read.pow2_scales``) opens every scale file once, reads its
+scales with one read per run of nearby scales and tests powers of two with numpy on the float32
+bits; ``quantize.fp8_scales_are_pow2`` (torch, one tensor at a time) is the reference.
 Scales of every float dtype, per-tensor and block shapes, powers of two at the edges of the
 UE8M0 range (2^-127 is a float32 subnormal), values just off a power of two, and bad values.
 """
@@ -10,12 +10,15 @@ UE8M0 range (2^-127 is a float32 subnormal), values just off a power of two, and
 from __future__ import annotations
 
 import json
+import os
+import re
 
 import pytest
 import torch
 from safetensors.torch import save_file
 
-from mxfp8_convert.errors import LayoutError
+from mxfp8_convert import read
+from mxfp8_convert.errors import LayoutError, SourceError
 from mxfp8_convert.formats import get_format
 from mxfp8_convert.plan import fp8_lossless
 from mxfp8_convert.quantize import fp8_scales_are_pow2
@@ -76,3 +79,105 @@ def test_a_bad_scale_fails_with_the_reference_message(tmp_path, bad):
     with pytest.raises(LayoutError) as got:
         fp8_lossless(ckpt, get_format("block_fp8"))
     assert str(got.value) == str(want.value)
+
+
+# --- reading scales in runs ---------------------------------------------------------------------
+
+GAP = read.SCALE_READ_GAP
+
+
+def _raw_scales(tmp_path, layout: list[tuple[str, int]], values: dict[str, torch.Tensor]):
+    """A file of ``layout``: (tensor name, its byte offset); every other byte is 0xFF (a NaN if a
+    gap were ever taken for a scale). Returns the scales' ``TensorInfo`` and the file size."""
+    end = max(at + values[n].numel() * 4 for n, at in layout)
+    buf = bytearray(b"\xff" * end)
+    infos = []
+    for name, at in layout:
+        data = values[name].to(torch.float32).numpy().tobytes()
+        buf[at:at + len(data)] = data
+        infos.append(read.TensorInfo(name, "F32", tuple(values[name].shape), "s.safetensors",
+                                     at, len(data)))
+    (tmp_path / "s.safetensors").write_bytes(bytes(buf))
+    return infos, end
+
+
+def _values() -> dict[str, torch.Tensor]:
+    """Five 4x4 scales, each all powers of two or not (and 2^-127, the float32 subnormal)."""
+    out = {}
+    for i, odd in enumerate([None, 3.0, 2.0 ** -127, 1.5, None]):
+        t = torch.full((4, 4), 2.0 ** (i - 2))
+        if odd is not None:
+            t[3, 3] = odd
+        out[f"m{i}.weight_scale_inv"] = t
+    return out
+
+
+def _count_preads(monkeypatch) -> list[tuple[int, int]]:
+    calls: list[tuple[int, int]] = []
+    real = os.pread
+
+    def pread(fd, n, offset):
+        calls.append((offset, n))
+        return real(fd, n, offset)
+
+    monkeypatch.setattr(read.os, "pread", pread)
+    return calls
+
+
+def test_scales_near_each_other_are_read_together_and_far_ones_apart(tmp_path, monkeypatch):
+    values = _values()
+    names = list(values)
+    size = 64  # bytes of each 4x4 float32 scale
+    # m0 | m1 adjacent | GAP bytes | m2 | GAP + 1 bytes | m3 | 100 * GAP bytes | m4, the file's end
+    at = [0, size, 2 * size + GAP, 3 * size + 2 * GAP + 1, 4 * size + 102 * GAP + 1]
+    layout = list(zip(names[::-1], at, strict=True))  # file order is not name order
+    infos, end = _raw_scales(tmp_path, layout, values)
+    calls = _count_preads(monkeypatch)
+    advice = []
+    monkeypatch.setattr(read.os, "posix_fadvise", lambda fd, o, n, a: advice.append(a))
+    got = read.pow2_scales(tmp_path, infos[::-1])
+    want = {n: fp8_scales_are_pow2(t, name=n) for n, t in values.items()}
+    assert got == want and any(want.values()) and not all(want.values())
+    # three reads: the first three scales (gaps 0 and GAP), then each of the other two
+    assert calls == [(0, 3 * size + GAP), (at[3], size), (at[4], size)]
+    assert at[4] + size == end
+    assert advice == [os.POSIX_FADV_RANDOM]
+
+
+def test_a_run_is_cut_at_its_longest_read(tmp_path, monkeypatch):
+    values = _values()
+    layout = [(n, i * 64) for i, n in enumerate(values)]  # five adjacent scales
+    infos, _ = _raw_scales(tmp_path, layout, values)
+    monkeypatch.setattr(read, "SCALE_READ_MAX", 2 * 64)
+    calls = _count_preads(monkeypatch)
+    got = read.pow2_scales(tmp_path, infos)
+    assert got == {n: fp8_scales_are_pow2(t, name=n) for n, t in values.items()}
+    assert calls == [(0, 128), (128, 128), (256, 64)]
+
+
+def test_a_bad_scale_inside_a_run_fails_with_the_reference_message(tmp_path):
+    values = _values()
+    values["m2.weight_scale_inv"][1, 2] = float("nan")
+    infos, _ = _raw_scales(tmp_path, [(n, i * 64) for i, n in enumerate(values)], values)
+    with pytest.raises(LayoutError) as want:
+        fp8_scales_are_pow2(values["m2.weight_scale_inv"], name="m2.weight_scale_inv")
+    with pytest.raises(LayoutError) as got:
+        read.pow2_scales(tmp_path, infos)
+    assert str(got.value) == str(want.value)
+
+
+def test_a_scale_past_the_end_of_the_file_is_named(tmp_path, monkeypatch):
+    values = _values()
+    layout = [(n, i * 64) for i, n in enumerate(values)]
+    infos, end = _raw_scales(tmp_path, layout, values)
+    with open(tmp_path / "s.safetensors", "r+b") as f:
+        f.truncate(end - 10)  # the last scale's last bytes are gone
+    message = "s.safetensors: file ended inside tensor 'm4.weight_scale_inv' (truncated?)"
+    with pytest.raises(SourceError, match=re.escape(message)):
+        read.pow2_scales(tmp_path, infos)
+    # the same when the file shrinks after it was opened (the size seen at opening is stale)
+    real = read._open_regular
+    monkeypatch.setattr(read, "_open_regular",
+                        lambda root, rel, *, what: (real(root, rel, what=what)[0], end))
+    with pytest.raises(SourceError, match=re.escape(message)):
+        read.pow2_scales(tmp_path, infos)

@@ -17,6 +17,7 @@ from typing import Annotated
 
 import typer
 
+from mxfp8_convert._gc import paused_gc
 from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.cli._errors import Interrupted, JsonErrorCommand, Terminated, handle_errors
@@ -264,11 +265,13 @@ def convert_cmd(
                          part=(part, num_parts) if num_parts is not None else None, workers=workers,
                          max_memory=budget, moe=moe.value, quantize_towers=quantize_towers,
                          allow_no_quantized=allow_no_quantized, max_shard_size=shard_bytes)
-    doc = result.to_dict()
+    with paused_gc():  # a dry run's document: a dict per module and tensor (``_gc``)
+        doc = result.to_dict()
     if push_to_hub is not None:
         with handle_errors(out, debug=debug):
             doc["push"] = _verify_and_push(out, result, push_to_hub, private, push_branch)
-    out.result(doc, lambda console: _render_convert(console, result, doc.get("push")))
+    with paused_gc():
+        out.result(doc, lambda console: _render_convert(console, result, doc.get("push")))
 
 
 def _verify_and_push(out, result, repo: str, private: bool, branch: str | None) -> dict:
@@ -569,7 +572,8 @@ def inspect_cmd(
     with handle_errors(out, debug=debug):
         report = inspect_checkpoint(path, source_format=source_format and source_format.value,
                                     revision=revision)
-    out.result(report.to_dict(), lambda console: _render_inspect(console, report))
+    with paused_gc():
+        out.result(report.to_dict(), lambda console: _render_inspect(console, report))
 
 
 def _render_inspect(console, report) -> None:

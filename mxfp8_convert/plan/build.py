@@ -11,6 +11,7 @@ from __future__ import annotations
 import hashlib
 from dataclasses import replace
 
+from mxfp8_convert._gc import paused_gc
 from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BackendSpec
 from mxfp8_convert.dtypes import itemsize
@@ -76,6 +77,7 @@ def fingerprint(ckpt: SourceCheckpoint) -> str:
     return _FINGERPRINT[1]
 
 
+@paused_gc()  # a module plan per linear, no cycles (``_gc``)
 def plan_modules(
     ckpt: SourceCheckpoint,
     backend: BackendSpec,
@@ -336,6 +338,7 @@ def _check_unique_names(shards: tuple[ShardPlan, ...], ckpt: SourceCheckpoint) -
             seen.add(t.name)
 
 
+@paused_gc()
 def build_plan(
     ckpt: SourceCheckpoint,
     backend: BackendSpec,
