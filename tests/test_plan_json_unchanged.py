@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 import tarfile
@@ -49,16 +50,16 @@ def reference(tmp_path_factory) -> Path:
     return out
 
 
-def _documents(tree: Path, commands: list[list[str]], cwd: Path) -> list[tuple[int, dict]]:
+def _documents(tree: Path, commands: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
     env = {**os.environ, "PYTHONPATH": str(tree)}
     r = subprocess.run([sys.executable, "-P", "-c", DRIVER, json.dumps(commands)], env=env,
                        capture_output=True, text=True, cwd=cwd)
     assert r.returncode == 0, r.stderr
     docs = []
     for code, text in json.loads(r.stdout):
-        doc = json.loads(text)
-        doc.pop("seconds", None)  # wall time of the run
-        docs.append((code, doc))
+        text = re.sub(r'\n  "seconds": [0-9.e-]+,', "", text)  # wall time of the run
+        json.loads(text)
+        docs.append((code, text))  # the text itself: byte for byte
     return docs
 
 
@@ -90,7 +91,7 @@ def test_documents_equal_the_reference(tmp_path, reference, dialect, spec, extra
     want = _documents(reference, cmds, tmp_path)
     assert _documents(REPO, cmds, tmp_path) == want
     if "--ignore" in extra:
-        assert all(code == 1 and doc["ok"] is False for code, doc in want[:-1])
+        assert all(code == 1 and json.loads(doc)["ok"] is False for code, doc in want[:-1])
     else:
         assert all(code == 0 for code, _ in want)
 

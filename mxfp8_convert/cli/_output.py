@@ -10,6 +10,7 @@ terminal or ``--json`` is set.
 from __future__ import annotations
 
 import json
+import math
 import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -60,7 +61,7 @@ class Output:
                 render(self.out)
             return
         try:
-            text = json.dumps(doc, indent=2, sort_keys=False, default=str, allow_nan=False)
+            text = dumps(doc)
         except ValueError as e:
             self.error_document(f"internal error: result is not valid JSON ({e})",
                                 "this is a bug in mxfp8-convert: please report it")
@@ -143,3 +144,143 @@ def human_bytes(n: int) -> str:
     from pydantic import ByteSize
 
     return ByteSize(n).human_readable()
+
+
+def _float(o: float) -> str:
+    if o != o or o in (math.inf, -math.inf):
+        raise ValueError("Out of range float values are not JSON compliant: " + repr(o))
+    return float.__repr__(o)
+
+
+def _key(k) -> str:
+    """A dict key as ``json`` spells it (before quoting)."""
+    if isinstance(k, str):
+        return k
+    if isinstance(k, float):
+        return _float(k)
+    if k is True or k is False or k is None:
+        return {True: "true", False: "false", None: "null"}[k]
+    if isinstance(k, int):
+        return int.__repr__(k)
+    raise TypeError(f"keys must be str, int, float, bool or None, not {k.__class__.__name__}")
+
+
+def dumps(doc) -> str:
+    """``json.dumps(doc, indent=2, default=str, allow_nan=False)``: the same text, and the same
+    errors (``ValueError`` for NaN, Inf and circular references, ``TypeError`` for a key of
+    another type), in a fraction of the time.
+
+    The standard library encodes indented JSON in Python with a generator per object (its C
+    encoder does not indent): ~1.3 s for the 16.9 MB ``inspect`` document of a DeepSeek-V3-sized
+    checkpoint. Here plain recursion appends to one list, and strings, ints and the other common
+    types are told apart by their exact type first; anything else takes the library's order of
+    ``isinstance`` tests (subclasses of str, int and float, then ``str()`` of the object).
+    """
+    out: list[str] = []
+    w = out.append
+    enc = json.encoder.encode_basestring_ascii
+    indents = ["\n" + "  " * i for i in range(40)]
+    markers: dict[int, object] = {}
+
+    def newline(depth: int) -> str:
+        return indents[depth] if depth < len(indents) else "\n" + "  " * depth
+
+    def value(o, depth: int) -> None:
+        t = type(o)
+        if t is str:
+            w(enc(o))
+        elif t is dict:
+            obj(o, depth)
+        elif t is list or t is tuple:
+            arr(o, depth)
+        elif o is None:
+            w("null")
+        elif o is True:
+            w("true")
+        elif o is False:
+            w("false")
+        elif t is int:
+            w(int.__repr__(o))
+        elif t is float:
+            w(_float(o))
+        elif isinstance(o, str):
+            w(enc(o))
+        elif isinstance(o, int):
+            w(int.__repr__(o))
+        elif isinstance(o, float):
+            w(_float(o))
+        elif isinstance(o, (list, tuple)):
+            arr(o, depth)
+        elif isinstance(o, dict):
+            obj(o, depth)
+        else:
+            mark(o)
+            value(str(o), depth)  # default=str
+            del markers[id(o)]
+
+    def mark(o) -> None:
+        if id(o) in markers:
+            raise ValueError("Circular reference detected")
+        markers[id(o)] = o
+
+    def obj(d: dict, depth: int) -> None:
+        if not d:
+            w("{}")
+            return
+        if id(d) in markers:
+            raise ValueError("Circular reference detected")
+        markers[id(d)] = d
+        sep = "," + newline(depth + 1)
+        w("{" + sep[1:])
+        first = True
+        for k, v in d.items():
+            if type(k) is not str:
+                k = _key(k)
+            if first:
+                w(enc(k) + ": ")
+                first = False
+            else:
+                w(sep + enc(k) + ": ")
+            t = type(v)  # ``value``, with the commonest cases inline
+            if t is str:
+                w(enc(v))
+            elif v is True:
+                w("true")
+            elif v is False:
+                w("false")
+            elif t is int:
+                w(int.__repr__(v))
+            elif not v and (t is list or t is dict):
+                w("[]" if t is list else "{}")
+            else:
+                value(v, depth + 1)
+        w(newline(depth) + "}")
+        del markers[id(d)]
+
+    def arr(a, depth: int) -> None:
+        if not a:
+            w("[]")
+            return
+        if id(a) in markers:
+            raise ValueError("Circular reference detected")
+        markers[id(a)] = a
+        sep = "," + newline(depth + 1)
+        w("[" + sep[1:])
+        first = True
+        for v in a:
+            if first:
+                first = False
+            else:
+                w(sep)
+            t = type(v)
+            if t is str:
+                w(enc(v))
+            elif t is int:
+                w(int.__repr__(v))
+            else:
+                value(v, depth + 1)
+        w(newline(depth) + "]")
+        del markers[id(a)]
+
+    value(doc, 0)
+    return "".join(out)
