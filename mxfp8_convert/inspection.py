@@ -25,6 +25,7 @@ from mxfp8_convert.plan import (
     fused_moe_shape,
     plan_modules,
 )
+from mxfp8_convert.plan.classify import violations
 from mxfp8_convert.read import open_checkpoint, resolve_model
 
 
@@ -205,7 +206,7 @@ def _fused_blocks(ckpt, roles: dict[str, str]) -> list[MoEReport]:
 def _why_not(backend, w, n: int, k: int) -> list[str]:
     if len(w.shape) != 2:
         return [f"weight is {len(w.shape)}-D"]
-    return backend.violations(n, k)
+    return list(violations(backend, n, k))
 
 
 def _conversion(ckpt, fmt, backend: str, lossless: dict[str, bool] | None) -> str:

@@ -183,7 +183,9 @@ def dumps(doc) -> str:
     markers: dict[int, object] = {}
 
     def newline(depth: int) -> str:
-        return indents[depth] if depth < len(indents) else "\n" + "  " * depth
+        while depth >= len(indents):
+            indents.append(indents[-1] + "  ")
+        return indents[depth]
 
     def value(o, depth: int) -> None:
         t = type(o)
@@ -230,7 +232,7 @@ def dumps(doc) -> str:
         if id(d) in markers:
             raise ValueError("Circular reference detected")
         markers[id(d)] = d
-        sep = "," + newline(depth + 1)
+        sep = "," + (indents[depth + 1] if depth + 1 < len(indents) else newline(depth + 1))
         w("{" + sep[1:])
         first = True
         for k, v in d.items():
@@ -254,7 +256,7 @@ def dumps(doc) -> str:
                 w("[]" if t is list else "{}")
             else:
                 value(v, depth + 1)
-        w(newline(depth) + "}")
+        w(indents[depth] + "}")
         del markers[id(d)]
 
     def arr(a, depth: int) -> None:
@@ -264,7 +266,7 @@ def dumps(doc) -> str:
         if id(a) in markers:
             raise ValueError("Circular reference detected")
         markers[id(a)] = a
-        sep = "," + newline(depth + 1)
+        sep = "," + (indents[depth + 1] if depth + 1 < len(indents) else newline(depth + 1))
         w("[" + sep[1:])
         first = True
         for v in a:
@@ -279,7 +281,7 @@ def dumps(doc) -> str:
                 w(int.__repr__(v))
             else:
                 value(v, depth + 1)
-        w(newline(depth) + "]")
+        w(indents[depth] + "]")
         del markers[id(a)]
 
     value(doc, 0)

@@ -473,6 +473,19 @@ def _stacked_experts(ckpt, name: str, info: TensorInfo, backend: BackendSpec, d)
     return _Found(out, [])
 
 
+#: ``violations`` already computed: (id of the backend, N, K) -> (the backend, its violations)
+_VIOLATIONS: dict[tuple[int, int, int], tuple[BackendSpec, tuple[str, ...]]] = {}
+
+
+def violations(backend: BackendSpec, n: int, k: int) -> tuple[str, ...]:
+    """``backend.violations(n, k)``, computed once per backend and shape (a model has a few
+    shapes and many modules of each; hashing the spec itself would cost more than this)."""
+    hit = _VIOLATIONS.get((id(backend), n, k))
+    if hit is None or hit[0] is not backend:
+        hit = _VIOLATIONS[(id(backend), n, k)] = (backend, tuple(backend.violations(n, k)))
+    return hit[1]
+
+
 def fit(
     m: ModulePlan,
     backend: BackendSpec,
@@ -485,7 +498,7 @@ def fit(
     else None (noted in ``offenders``)."""
     if m.action == "dequantize":
         return m
-    bad = backend.violations(m.n, m.k)
+    bad = violations(backend, m.n, m.k)
     if not bad:
         return m
     if on_ineligible == "error":
