@@ -48,47 +48,46 @@ def splits_for(tiles: int, k_tiles: int, sms: int = 132) -> list[int]:
     return sorted(out)
 
 
+def ws_stages(bn: int, bm: int) -> int:
+    """The deepest ring of the specialized kernel within ~200 KB of shared memory (at most 8)."""
+    return min(8, 200 * 1024 // (bn * 128 + bm * 64 * 2 * 2))
+
+
 def candidates(m: int, n: int, k: int, facts) -> list[GemmConfig]:
-    bms = {32: (32,), 64: (64, 32), 128: (128, 64), 256: (256, 128), 512: (256, 128),
-           2048: (256, 128), 8192: (256, 128)}.get(m, (min(256, 1 << (m - 1).bit_length()),))
-    out = []
-    for bn in (64, 128):
+    """The rule's config, the unspecialized kernel as the rule had it before the specialized
+    one, the specialized kernel's tiles (128 and, up to M = 64, 64 rows; the M rows rounded up
+    to a power of two up to 128 or 256 tokens a program) at the deepest ring, split-K to about
+    one or two waves, and the cuBLAS path from M = 256."""
+    from mxfp8_convert.runtime.hopper.rules import choose_config, cublas_config, dqmma_config
+
+    out = [choose_config(m, n, k, facts), dqmma_config(m, n, k, facts)]
+    p2 = 1 << (m - 1).bit_length()
+    bms = {True: (min(p2, 128),), False: (256, 128)}[m <= 128]
+    if m == 128:
+        bms = (128, 64)
+    for bn in (128, 64) if m <= 64 else (128,):
         for bm in bms:
-            tiles = cdiv(n, bn) * cdiv(m, bm)
-            for st in stages_for(bm):
-                for sp in splits_for(tiles, k // 128) if m < 2048 else (1,):
-                    out.append(GemmConfig(bn, bm, 128, Kernel.DQMMA, split_k=sp, num_stages=st,
-                                          num_warps=bn // 16, fuse_quant=False))
+            for waves in (1.0, 2.0):
+                out.append(dqmma_config(m, n, k, facts, block_n=bn, block_m=bm,
+                                        stages=ws_stages(bn, bm), waves=waves,
+                                        specialized=True))
     if m >= 256:  # the cuBLAS path (the weight dequantized chunk by chunk)
-        from mxfp8_convert.runtime.hopper.rules import cublas_config
-
         out.append(cublas_config(m, n, k))
-    if m <= 32:  # the FP8 wgmma kernel (activations quantized inside)
-        from mxfp8_convert.runtime.hopper.rules import launch_options, wgmma_config
-
-        seen = set()
-        for bn in (64, 128):
-            for waves in (1, 2, 3, 4):
-                for cl in (False, True):
-                    for serial in (True, False):
-                        if cl and not serial:
-                            continue
-                        c = wgmma_config(m, n, k, facts, waves=waves, fuse_quant=True,
-                                         sw_ahead=2, max_split=16, cluster=cl, block_n=bn,
-                                         serial_reduce=serial)
-                        c = launch_options(c, m, facts)
-                        key = tuple(sorted(c.to_dict().items()))
-                        if key not in seen:
-                            seen.add(key)
-                            out.append(c)
-    return out
+    seen, uniq = set(), []
+    for c in out:
+        key = tuple(sorted(c.to_dict().items()))
+        if key not in seen:
+            seen.add(key)
+            uniq.append(c)
+    return uniq
 
 
 def label(c: GemmConfig) -> str:
     if c.kind is Kernel.CUBLAS:
         return "cublas"
     if c.kind is Kernel.DQMMA:
-        return f"dq{c.block_n}x{c.block_m}/st{c.num_stages}/s{c.split_k}"
+        ws = "ws" if c.specialized else "dq"
+        return f"{ws}{c.block_n}x{c.block_m}/st{c.num_stages}/s{c.split_k}"
     red = "cl" if c.cluster else ("ser" if c.serial_reduce else "2k")
     return f"wg{c.block_n}/s{c.split_k}{red}{'+pdl' if c.pdl else ''}"
 
@@ -124,6 +123,10 @@ def check() -> bool:
                     ),
                     GemmConfig(64, 32, 128, Kernel.DQMMA, split_k=4, num_stages=4, num_warps=4),
                     GemmConfig(128, 256, 128, Kernel.DQMMA, split_k=2, num_stages=2, num_warps=8),
+                    *(GemmConfig(bn, bm, 128, Kernel.DQMMA, split_k=sp, num_stages=st,
+                                 num_warps=4, fuse_quant=False, specialized=True)
+                      for bn, bm, st, sp in ((128, 32, 8, 1), (128, 64, 6, 3), (64, 64, 8, 2),
+                                             (128, 128, 4, 2), (128, 256, 2, 1))),
                 ):
                     for b in (None, bias):
                         out = torch.full((m, n), float("nan"), device="cuda",

@@ -510,10 +510,12 @@ def test_dqmma_configs_agree(layout, n, m):
     warpgroups), 32..256 tokens a program (one or several M tiles; rows past M are TMA's zero
     fill), TMA ring depths 2..4, K unsplit or split (fp32 partials in the weight's physical row
     order, summed by the reduction kernel, which adds the bias), N tails (544 = 8.5 x 64), the
-    physical-to-logical row mapping (trtllm); each config twice, the same bits both times. The
-    activations span 2^-10..2^10 across K and the weight codes vary per 32-block, so a scale
-    applied to the wrong block, row or K-tile fails the 1e-2 bound. The split-K reduction sums
-    the same fp32 partials whichever M tile or ring depth produced them."""
+    physical-to-logical row mapping (trtllm); the kernel as one warpgroup chain and
+    warp-specialized (a TMA producer warp, one or two consumer warpgroups on mbarrier rings);
+    each config twice, the same bits both times. The activations span 2^-10..2^10 across K and
+    the weight codes vary per 32-block, so a scale applied to the wrong block, row or K-tile
+    fails the 1e-2 bound. Each row's MMAs run in the same K order in every variant, so for one
+    tile width and split all of them give the same bits."""
     tri = _triton()
     if torch.cuda.get_device_capability()[0] != 9 or _gluon() is None:
         pytest.skip("needs Hopper and Triton's Gluon")
@@ -526,15 +528,58 @@ def test_dqmma_configs_agree(layout, n, m):
     facts = _facts()
     for b, r in ((None, ref), (bias, ref + bias.double())):
         by_split = {}
-        for bn in (64, 128):
-            for bm, stages in ((32, 4), (64, 3), (128, 3), (256, 2)):
-                for split in (1, 7):
-                    cfg = tri.dqmma_config(m, n, k, facts, block_n=bn, block_m=bm, stages=stages)
-                    cfg = dataclasses.replace(cfg, split_k=split)
-                    out = _check_twice(tri, x, w, b, r, cfg)
-                    by_split.setdefault((bm, split), []).append(out)
-        for outs in by_split.values():  # 64- and 128-row programs: each row's bits alike
-            assert torch.equal(outs[0], outs[1])
+        for spec in (False, True):
+            for bn in (64, 128):
+                for bm, stages in ((32, 4), (64, 3), (128, 3), (256, 2)):
+                    for split in (1, 7):
+                        cfg = tri.dqmma_config(m, n, k, facts, block_n=bn, block_m=bm,
+                                               stages=stages, specialized=spec)
+                        cfg = dataclasses.replace(cfg, split_k=split)
+                        out = _check_twice(tri, x, w, b, r, cfg)
+                        by_split.setdefault((bm, split), []).append(out)
+        for outs in by_split.values():  # every variant of a tile shape: each row's bits alike
+            for o in outs[1:]:
+                assert torch.equal(outs[0], o)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("specialized", [False, True])
+def test_dqmma_bit_conversion_matches_the_fp32_path(layout, specialized):
+    """The dequantizing kernel's bit conversion (e4m3 bytes moved into bf16 ``q * 2^-120``, one
+    bf16 multiply by ``2^(code - 7)``) gives the fp32 path's bits for every non-NaN e4m3 byte
+    (subnormals and both zeros included) and every scale code up to 134, and both equal the
+    reference's ``bf16(q * 2^(code - 127))``: the activations are one-hot rows, so each output
+    element is one dequantized weight element (exact in fp32, then in bf16). A weight with a
+    code above 134 is read by the fp32 path (``fast_conversion``), exactly too."""
+    if torch.cuda.get_device_capability()[0] != 9 or _gluon() is None:
+        pytest.skip("needs Hopper and Triton's Gluon")
+    from mxfp8_convert.runtime.hopper import dqmma
+
+    n, k = 256, 256
+    byte = (torch.arange(n).view(-1, 1) * 37 + torch.arange(k).view(1, -1)) % 256
+    byte[(byte & 0x7F) == 0x7F] = 0x80  # e4m3 NaN: never in a quantized weight; -0 instead
+    q = byte.to(torch.uint8).view(torch.float8_e4m3fn).cuda()
+    assert len(set(byte.flatten().tolist())) == 254
+    xd = torch.eye(k, device="cuda", dtype=torch.bfloat16)  # MXFP8-exact (one 1.0 a row)
+    for top in (134, 140):
+        blocks = torch.arange(n).view(-1, 1) * (k // 32) + torch.arange(k // 32).view(1, -1)
+        code = (blocks % (top + 1)).to(torch.uint8).cuda()
+        assert int(code.max()) == top
+        w = MXFP8Weight.from_canonical(q, code, layout)
+        assert dqmma.fast_conversion(w.scale) == (top <= dqmma.FAST_MAX_CODE)
+        want = dequantize_mxfp8(q, code).t().to(torch.bfloat16)  # [K tokens, N]
+        normal = (want.float().abs() >= 2.0 ** -126) | (want == 0)
+        outs = []
+        for fast in (None, False) if top <= 134 else (None,):
+            out = torch.full((k, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+            dqmma.dqmma(xd, w, None, out, None, split_k=1, block_n=128, block_m=128, stages=2,
+                        specialized=specialized, fast=fast)
+            assert not out.isnan().any()
+            # the bf16 MMA may flush subnormal operands: exact where the value is normal
+            assert torch.equal(out.view(torch.int16)[normal], want.view(torch.int16)[normal])
+            outs.append(out)
+        for o in outs[1:]:  # bit path and fp32 path: the same bits, subnormal results included
+            assert torch.equal(outs[0].view(torch.int16), o.view(torch.int16))
 
 
 def test_dqmma_rejects_what_it_cannot_read():

@@ -59,6 +59,7 @@ class GemmConfig:
     red_release: bool = False  # wgmma with PDL: the reduction kernel releases the next at once
     phys_partials: bool = False  # wgmma, two kernels: partials in the weight's physical row order
     x_prefetch: bool = False  # wgmma, prefetch: activation lines asked of L2 before the wait
+    specialized: bool = False  # dqmma: a TMA producer warp and block_n / 64 consumer warpgroups
 
     def to_dict(self) -> dict:
         d = {f.name: getattr(self, f.name) for f in fields(self)}

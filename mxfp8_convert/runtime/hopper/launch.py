@@ -455,7 +455,7 @@ def _launch_dqmma(
     ws = (torch.empty((cfg.split_k, m, weight.shape[0]), dtype=torch.float32, device=x.device)
           if partial else None)
     dqmma.dqmma(xd, weight, bias, out, ws, split_k=cfg.split_k, block_n=cfg.block_n,
-                block_m=cfg.block_m, stages=cfg.num_stages)
+                block_m=cfg.block_m, stages=cfg.num_stages, specialized=cfg.specialized)
     if partial:
         has_bias = bias is not None
         _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias,

@@ -411,7 +411,8 @@ def tile_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
 
 
 def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 64,
-                 block_m: int = 0, stages: int = 3, waves: float = 0.0) -> GemmConfig:
+                 block_m: int = 0, stages: int = 3, waves: float = 0.0,
+                 specialized: bool = False) -> GemmConfig:
     """The dequantizing wgmma kernel (``dqmma.py``): ``block_n`` weight rows and ``block_m``
     tokens per program (default: 32 up to M = 32, 64 up to M = 128, else 256), ``stages`` TMA
     buffers; split-K to ~``waves`` x SMs programs (default ``dqmma_waves`` up to M = 128, else
@@ -427,7 +428,8 @@ def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 6
                            k_tiles // t.dqmma_min_split_tiles))
     return GemmConfig(block_n, bm, WGMMA_BLOCK_K, Kernel.DQMMA,
                       split_k=no_empty_splits(k_tiles, split), fuse_quant=False,
-                      num_warps=block_n // 16, num_stages=stages)
+                      num_warps=4 if specialized else block_n // 16, num_stages=stages,
+                      specialized=specialized)
 
 
 def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
