@@ -55,15 +55,15 @@ def ws_stages(bn: int, bm: int) -> int:
 
 def candidates(m: int, n: int, k: int, facts) -> list[GemmConfig]:
     """The rule's config, the unspecialized kernel at its own rule, the specialized kernel's
-    tiles (128 or 256 weight rows: two or four consumer warpgroups; the M rows rounded up to a
-    power of two, up to 128 or 256 tokens a program) at the deepest ring, split-K to about one
+    tiles (128 weight rows: two consumer warpgroups; the M rows rounded up to a power of two,
+    up to 128 or 256 tokens a program) at the deepest ring, split-K to about one
     or two waves, and the cuBLAS path from M = 256."""
     from mxfp8_convert.runtime.hopper.rules import choose_config, cublas_config, dqmma_config
 
     out = [choose_config(m, n, k, facts), dqmma_config(m, n, k, facts)]
     p2 = 1 << (m - 1).bit_length()
-    for bn in (128, 256):
-        bms = (min(p2, 128),) if m <= 128 else (128, 256) if bn == 128 else (128,)
+    for bn in (128,):
+        bms = (min(p2, 128),) if m <= 128 else (128, 256)
         if m == 128:
             bms = (128, 64)
         for bm in bms:

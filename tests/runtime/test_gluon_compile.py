@@ -452,7 +452,8 @@ def test_a_refused_cluster_launch_falls_back_to_global_memory(monkeypatch):
     assert not wgmma_rule(2, 576, 7168, probe.device_facts(dev)).cluster
 
 
-def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool) -> tuple[str, int]:
+def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool,
+                fast: bool = True, specialized: bool = False) -> tuple[str, int]:
     """SASS and shared-memory bytes of the dequantizing wgmma kernel compiled for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -463,23 +464,28 @@ def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool) 
     from mxfp8_convert.runtime.hopper import dqmma
 
     n, k = 4096, 4096
+    box = 64 if specialized else block_n
     w = torch.empty(n, k, dtype=torch.float8_e4m3fn)
     x = torch.empty(512, k, dtype=torch.bfloat16)
-    wd = TensorDescriptor(w, [n, k], [k, 1], [block_n, 128],
-                          dqmma._smem_layout(block_n, 128, "float8e4nv"))
+    wd = TensorDescriptor(w, [n, k], [k, 1], [box, 128], dqmma._smem_layout(box, 128, "float8e4nv"))
     xd = TensorDescriptor(x, [512, k], [k, 1], [bm, 64], dqmma._smem_layout(bm, 64, "bfloat16"))
     sig = {"w_desc": mangle_type(wd), "x_desc": mangle_type(xd), "s_ptr": "*i32", "b_ptr": "*bf16",
            "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
            "stride_om": "i32", "stride_os": "i32", "scale_cp4": "i32", "split_k": "i32"}
     const = {"LAYOUT": dqmma.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": partial,
-             "STAGES": stages, "num_warps": block_n // 16}
+             "STAGES": stages, "FAST": fast}
+    fn, options = dqmma._dqmma_kernel, {"num_warps": block_n // 16}
+    if specialized:
+        cons = block_n // 64
+        const.update(CONS=cons, CONS_REGS=dqmma.WS_CONS_REGS[cons])
+        fn, options = dqmma._dqmma_ws_kernel, {"num_warps": 4, "maxnreg": dqmma.WS_MAXNREG[cons]}
+    const["num_warps"] = options["num_warps"]
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
     attrs = {(names.index(a),): [["tt.divisibility", 16]]
              for a in ("s_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_om")}
-    src = GluonASTSource(fn=dqmma._dqmma_kernel, signature=sig, constexprs=const, attrs=attrs)
-    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                            options={"num_warps": block_n // 16})
+    src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
+    kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
                         f"mxfp8_dqmma_{os.getpid()}_{block_n}_{bm}_{stages}_{layout}.cubin")
@@ -493,26 +499,65 @@ def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool) 
     return sass, kernel.metadata.shared
 
 
-@pytest.mark.parametrize("block_n,bm,stages,layout,partial", [
-    (64, 32, 3, "trtllm", True), (64, 64, 3, "cutlass", False), (64, 256, 3, "trtllm", False),
-    (128, 128, 4, "cutlass", True), (128, 256, 2, "trtllm", True)])
-def test_dqmma_kernel_keeps_its_bf16_wgmmas_in_flight(block_n, bm, stages, layout, partial):
+def _instructions(sass: str) -> list[tuple[int, str]]:
+    return [(int(a, 16), t) for a, t in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass,
+                                                    re.M)]
+
+
+@pytest.mark.parametrize("block_n,bm,stages,layout,partial,fast", [
+    (64, 32, 3, "trtllm", True, True), (64, 64, 3, "cutlass", False, False),
+    (64, 256, 3, "trtllm", False, True), (128, 128, 4, "cutlass", True, True),
+    (128, 256, 2, "trtllm", True, False)])
+def test_dqmma_kernel_keeps_its_bf16_wgmmas_in_flight(block_n, bm, stages, layout, partial, fast):
     """The dequantizing wgmma kernel (issue 26) for sm_90a: bf16 wgmma with the weight as the
     register operand (``HGMMA ... R``: no shared-memory copy of the dequantized tile), two k16
     instructions per 32-block, four blocks a K-tile (the first K-tile peeled off the loop: 8 in
-    all); the hardware's e4m3 -> f16 pair conversion; each wgmma left in flight while the next
-    block is dequantized (``DEPBAR.LE gsb0, 0x1``; only the final wait drains: ptxas did not
-    serialize them, which it does when a non-wgmma instruction may define the accumulator while
-    one is in flight); weight and activation tiles by TMA; no spills; the ring within the 227 KB
-    of shared memory a block may have."""
-    sass, shared = _dqmma_sass(block_n, bm, stages, layout, partial)
+    all); the e4m3 conversion: with ``FAST`` the bit moves and one bf16x2 multiply per two
+    elements (``HMUL2.BF16``, 8 per block and thread), no hardware e4m3 conversion; else the
+    hardware's e4m3 -> f16 pairs; each wgmma left in flight while the next block is dequantized
+    (``DEPBAR.LE gsb0, 0x1``; only the final wait drains: ptxas did not serialize them, which it
+    does when a non-wgmma instruction may define the accumulator while one is in flight); weight
+    and activation tiles by TMA; no spills; the ring within the 227 KB of shared memory a block
+    may have."""
+    sass, shared = _dqmma_sass(block_n, bm, stages, layout, partial, fast)
     mma = re.findall(rf"HGMMA\.64x{bm}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
     assert len(mma) == 16, len(mma)
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
     assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= 8
-    assert "F2FP.F16.E4M3.UNPACK_B" in sass
+    assert ("F2FP.F16.E4M3.UNPACK_B" in sass) != fast
+    assert sass.count("HMUL2.BF16_V2") == (64 if fast else 0)
     assert "UTMALDG" in sass
-    ins = [(int(a, 16), t) for a, t in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    ins = _instructions(sass)
     hgmma = [a for a, t in ins if "HGMMA" in t]
     assert not [t for a, t in ins if hgmma[0] <= a <= hgmma[-1] and re.search(r"\b(STL|LDL)\b", t)]
+    assert shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("block_n,bm,stages,layout,partial", [
+    (128, 128, 4, "trtllm", True), (64, 64, 6, "cutlass", False)])
+def test_specialized_dqmma_has_no_cta_barrier_in_its_k_loop(block_n, bm, stages, layout, partial):
+    """The warp-specialized dqmma for sm_90a: each consumer warpgroup (``block_n / 64``) issues
+    its own 16 bf16 wgmmas (register operand, left in flight), converts with the bit path, and
+    synchronizes only within itself (named barriers of 128 threads: ``BAR.SYNC n, 0x80``) and
+    through the ring's mbarriers (``SYNCS``); the producer warp issues the TMA loads; the
+    partitions' registers are re-divided (``USETMAXREG``); no spills in the K loops."""
+    sass, shared = _dqmma_sass(block_n, bm, stages, layout, partial, specialized=True)
+    cons = block_n // 64
+    mma = re.findall(rf"HGMMA\.64x{bm}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
+    assert len(mma) == 16 * cons, len(mma)
+    assert sass.count("HMUL2.BF16_V2") == 64 * cons
+    assert "UTMALDG" in sass and "USETMAXREG" in sass and "SYNCS.ARRIVE" in sass
+    ins = _instructions(sass)
+    loops = []  # K loops: a backward branch over one K-tile's 8 HGMMAs
+    for a, t in ins:
+        if (j := re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", t)) and int(j[1], 16) < a:
+            body = [u for b, u in ins if int(j[1], 16) <= b <= a]
+            if sum("HGMMA" in u for u in body) == 8:
+                loops.append(body)
+    assert len(loops) >= cons, len(loops)
+    in_loops = [t for body in sorted(loops, key=len)[:cons] for t in body]  # the innermost
+    bars = [t for t in in_loops if "BAR.SYNC" in t]
+    assert bars and all(re.search(r"BAR\.SYNC\.DEFER_BLOCKING 0x[0-9a-f]+, 0x80$", t.strip())
+                        for t in bars), bars
+    assert not [t for t in in_loops if re.search(r"\b(STL|LDL)\b", t)]
     assert shared <= 227 * 1024

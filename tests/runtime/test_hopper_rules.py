@@ -62,6 +62,7 @@ def test_configs_are_those_of_a5719ef(device):
             assert m == 256 and facts.hopper and facts.gluon, (device, shape, m)
             continue
         got = choose_config(m, n, k, facts).to_dict()
+        assert got.pop("specialized") is False  # newer than the snapshot (dqmma only)
         if got != want:
             diff = {f: (got[f], want[f]) for f in want if got[f] != want[f]}
             wrong.append(f"{shape} M={m}: {diff}")
@@ -178,7 +179,7 @@ SERVING = [
     (128, 24576, 1536, "dqmma", 64, 64, 1),  # 384 x 2 tiles
     (256, 4096, 4096, "dqmma", 64, 256, 3),  # 64 tiles: ceil(132/64) = 3
     (256, 2560, 4096, "dqmma", 64, 256, 4),  # 40 tiles: ceil(132/40) = 4
-    (512, 7168, 16384, "dqmma", 64, 256, 1),  # 112 x 2 = 224 tiles
+    (512, 7168, 2048, "dqmma", 64, 256, 1),  # 112 x 2 = 224 tiles (K < 4096: one chain)
     (512, 4096, 2560, "dqmma", 64, 256, 1),  # 64 x 2 = 128 tiles >= 66
     (512, 1024, 4096, "cublas", 64, 0, 1),  # N < 4096 above M = 256
     (300, 4096, 4096, "dqmma", 64, 256, 1),  # 64 x 2 = 128 tiles >= 66
@@ -198,6 +199,39 @@ def test_serving_rule_on_an_h200(m, n, k, kind, block_n, block_m, split):
         assert cfg.num_warps == 8 and not cfg.cluster
     if kind == "dqmma":
         assert cfg.num_warps == 4 and cfg.num_stages == 3 and cfg.block_k == 128
+        assert not cfg.specialized
+
+
+# The warp-specialized dqmma (TUNED.ws_*): 128-row programs of 128 tokens (ring of 4) at
+# M = 65..128 with K >= 16384, of 256 tokens (ring of 2) at M = 257..512 where
+# ceil(N / 128) * ceil(M / 256) >= 0.75 * 132 = 99 programs and K >= 4096; split-K as dqmma's.
+SPECIALIZED = [
+    # (M, N, K, block_m, split_k, stages)
+    (128, 7168, 16384, 128, 5, 4),  # 56 tiles: ceil(264/56) = 5 (128 K-tiles: 26 a split)
+    (100, 7168, 18432, 128, 5, 4),  # 56 tiles: 5 (144 K-tiles: 29,29,29,29,28)
+    (512, 7168, 16384, 256, 1, 2),  # 56 x 2 = 112 >= 99 programs: unsplit
+    (300, 14336, 4096, 256, 1, 2),  # 112 x 2 = 224
+]
+
+
+@pytest.mark.parametrize("m,n,k,block_m,split,stages", SPECIALIZED)
+def test_serving_rule_takes_the_specialized_kernel(m, n, k, block_m, split, stages):
+    cfg = choose_config(m, n, k, FACTS["h200"])
+    assert cfg.kind is Kernel.DQMMA and cfg.specialized and cfg.block_n == 128
+    assert (cfg.block_m, cfg.split_k, cfg.num_stages, cfg.num_warps) == (block_m, split, stages,
+                                                                         4)
+
+
+@pytest.mark.parametrize("m,n,k", [
+    (128, 4096, 14336),  # K < 16384
+    (64, 7168, 16384),  # M <= 64
+    (256, 7168, 16384),  # M = 256: not above dqmma_wide_m
+    (512, 4096, 4096),  # 32 x 2 = 64 programs < 99
+    (512, 9728, 2560),  # K < 4096
+])
+def test_serving_rule_keeps_the_one_chain_kernel(m, n, k):
+    cfg = choose_config(m, n, k, FACTS["h200"])
+    assert cfg.kind is Kernel.DQMMA and not cfg.specialized
 
 
 @pytest.mark.parametrize("device", ["h200-no-gluon", "sm89-128", "sm80-108", "cpu"])

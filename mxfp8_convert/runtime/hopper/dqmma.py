@@ -53,8 +53,8 @@ BLOCK_K = 128  # K per pipeline stage: four 32-blocks, one 128x4 scale word per 
 X_BOX = 64  # bf16 activation box width (128 bytes: the widest 128-byte-swizzled TMA box)
 #: the specialized kernel's registers: ``maxnreg`` for 4 + 4 + 1 (12 allocated) warps or 4 + 1
 #: (8) within the 64 K registers of an SM, and the consumer worker's share after setmaxnreg
-WS_MAXNREG = {1: 248, 2: 168, 4: 96}
-WS_CONS_REGS = {1: 0, 2: 232, 4: 112}
+WS_MAXNREG = {1: 248, 2: 168}
+WS_CONS_REGS = {1: 0, 2: 232}
 
 
 @gluon.jit
@@ -315,25 +315,7 @@ def _dqmma_ws_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(full.index(s), count=1)
         mbarrier.init(empty.index(s), count=CONS)
-    if CONS == 4:
-        gl.warp_specialize([
-            (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
-                        N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
-                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 0)),
-            (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
-                        N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
-                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 1)),
-            (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
-                        N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
-                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 2)),
-            (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
-                        N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
-                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 3)),
-            (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
-                        N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
-                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 4)),
-        ], [4, 4, 4, 1], [CONS_REGS, CONS_REGS, CONS_REGS, 24])
-    elif CONS == 2:
+    if CONS == 2:
         gl.warp_specialize([
             (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
                         N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
@@ -411,8 +393,8 @@ def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out:
     k_tiles = k // BLOCK_K
     if split_k > k_tiles or (split_k - 1) * cdiv(k_tiles, split_k) >= k_tiles:
         raise ValueError(f"split_k={split_k}: leaves a split of K = {k} empty")
-    if specialized and block_n not in (64, 128, 256):
-        raise ValueError(f"block_n={block_n}: the specialized kernel takes 64, 128 or 256 rows")
+    if specialized and block_n not in (64, 128):
+        raise ValueError(f"block_n={block_n}: the specialized kernel takes 64 or 128 rows")
     if fast is None:
         fast = fast_conversion(weight.scale)
     box_n = 64 if specialized else block_n

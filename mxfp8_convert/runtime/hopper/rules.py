@@ -129,6 +129,16 @@ class Tuning:
     serve_wgmma_max_m: int = 32
     serve_wgmma_waves: float = 1.0
     serve_dqmma_min_k: int = 12288
+    # the warp-specialized dqmma (128-row programs of all M tokens up to 128, or 256, each
+    # weight element dequantized once per 128 or 256 tokens), where the sweep of 2026-12-01
+    # 16:45 had it ahead: M = 65 .. 128 with K >= ws_min_k (DeepSeek o_proj, MLP down: x0.86,
+    # x0.89 vs x0.74, x0.75); M > 256 where its unsplit programs fill ws_wide_min_share of the
+    # SMs and K >= ws_wide_min_k (Llama gate_up, DeepSeek o_proj, MLP down: x0.84 vs x0.73-0.74;
+    # MLP gate_up x0.73 vs 0.75). Elsewhere the one-warpgroup kernel's 64-row programs (up to
+    # three a multiprocessor) were faster
+    ws_min_k: int = 16384
+    ws_wide_min_k: int = 4096
+    ws_wide_min_share: float = 0.75
 
 
 #: The one table of tuned thresholds (the rules read nothing else).
@@ -432,9 +442,19 @@ def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 6
                       specialized=specialized)
 
 
+def specialized_wins(m: int, n: int, k: int, facts: DeviceFacts) -> bool:
+    """Whether the serving rule takes the warp-specialized dqmma (:data:`TUNED`, ``ws_*``)."""
+    t = TUNED
+    if 64 < m <= 128:
+        return k >= t.ws_min_k
+    return (t.dqmma_wide_m < m <= t.dqmma_max_m and k >= t.ws_wide_min_k
+            and cdiv(n, 128) * cdiv(m, 256) >= t.ws_wide_min_share * facts.sms)
+
+
 def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
     """Serving batches on Hopper with Gluon, M = 17 .. ``dqmma_max_m``, K % 128 == 0 (else None):
-    :func:`dqmma_config`; at M <= ``serve_wgmma_max_m`` the FP8 wgmma kernel instead (128-row
+    :func:`dqmma_config` (warp-specialized where :func:`specialized_wins`: 128-row programs of
+    128 or 256 tokens); at M <= ``serve_wgmma_max_m`` the FP8 wgmma kernel instead (128-row
     programs, split-K to ~``serve_wgmma_waves`` waves summed by a second kernel,
     :func:`launch_options`) unless the weight's 64-row tiles fill the SMs or K >=
     ``serve_dqmma_min_k``; above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` (None:
@@ -445,6 +465,10 @@ def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | Non
         return None
     if m > t.dqmma_wide_m and n < t.dqmma_wide_min_n:
         return None
+    if specialized_wins(m, n, k, facts):
+        bm = 128 if m <= 128 else 256
+        return dqmma_config(m, n, k, facts, block_n=128, block_m=bm, specialized=True,
+                            stages=4 if bm == 128 else 2)
     if (m <= t.serve_wgmma_max_m and cdiv(n, 64) < facts.sms
             and k < t.serve_dqmma_min_k):
         cfg = wgmma_config(m, n, k, facts, waves=t.serve_wgmma_waves, fuse_quant=True,
