@@ -24,6 +24,13 @@ groups; cutlass: the identity). Split-K partials go to an fp32 workspace in phys
 and ``reduce.py`` sums them (``P32``). Rows of the activation box past M are TMA's zero fill and
 are never stored.
 
+The e4m3 -> bf16 conversion is bit moves and one bf16x2 multiply per two elements where every
+scale code of the weight is <= 134 (:func:`fast_conversion`), else e4m3 -> fp32 -> bf16; the
+same bits (:func:`_dq_block`). :func:`_dqmma_ws_kernel` is the warp-specialized variant: a
+producer warp issues the TMA loads into an mbarrier ring and one or two consumer warpgroups of
+64 rows each run the dequantize / wgmma chain above on their own (the serving rule takes it on
+large weights above 64 tokens, with programs of 128 or 256 tokens).
+
 Not interpretable (Gluon has no CPU interpreter): validated by the ``gpu`` tests on a Hopper GPU;
 ``tests/runtime/test_gluon_compile.py`` compiles it for sm_90a on any machine.
 """
