@@ -1,12 +1,14 @@
 """Sweep of the dequantizing wgmma kernel's configs against bf16 on the model shapes (H200).
 
     python3 benchmarks/sweep_dqmma.py [--ms 32,64,...] [--shapes a,b] [--out DIR] [--check]
+        [--narrow]
 
 For each M and shape: bf16 F.linear and every candidate config (block_n, block_m, stages,
 split_k) of ``Kernel.DQMMA`` timed as ``bench_gemm.py`` times (CUDA-graph replays over rotating
 operand copies), trtllm layout; the best config per row and its ratio are printed and written to
-``sweep_dqmma.json``. ``--check`` first compares the kernel with a float64 reference (both
-layouts, bias, split-K) and exits non-zero on a mismatch.
+``sweep_dqmma.json``; ``--narrow``: only the rule's config, the one-chain kernel at its rule
+and the warp-specialized tiles (:func:`candidates`). ``--check`` first compares the kernel with
+a float64 reference (both layouts, bias, split-K) and exits non-zero on a mismatch.
 """
 
 from __future__ import annotations
@@ -75,6 +77,51 @@ def candidates(m: int, n: int, k: int, facts) -> list[GemmConfig]:
         out.append(cublas_config(m, n, k))
     seen, uniq = set(), []
     for c in out:
+        key = tuple(sorted(c.to_dict().items()))
+        if key not in seen:
+            seen.add(key)
+            uniq.append(c)
+    return uniq
+
+
+def all_candidates(m: int, n: int, k: int, facts) -> list[GemmConfig]:
+    """Every config of the 13:15 sweep (one-chain dqmma tiles, splits and rings; the FP8
+    kernel's variants at M = 32; the cuBLAS path from M = 256), then :func:`candidates`."""
+    bms = {32: (32,), 64: (64, 32), 128: (128, 64), 256: (256, 128), 512: (256, 128),
+           2048: (256, 128), 8192: (256, 128)}.get(m, (min(256, 1 << (m - 1).bit_length()),))
+    out = []
+    for bn in (64, 128):
+        for bm in bms:
+            tiles = cdiv(n, bn) * cdiv(m, bm)
+            for st in stages_for(bm):
+                for sp in splits_for(tiles, k // 128) if m < 2048 else (1,):
+                    out.append(GemmConfig(bn, bm, 128, Kernel.DQMMA, split_k=sp, num_stages=st,
+                                          num_warps=bn // 16, fuse_quant=False))
+    if m >= 256:  # the cuBLAS path (the weight dequantized chunk by chunk)
+        from mxfp8_convert.runtime.hopper.rules import cublas_config
+
+        out.append(cublas_config(m, n, k))
+    if m <= 32:  # the FP8 wgmma kernel (activations quantized inside)
+        from mxfp8_convert.runtime.hopper.rules import launch_options, wgmma_config
+
+        seen = set()
+        for bn in (64, 128):
+            for waves in (1, 2, 3, 4):
+                for cl in (False, True):
+                    for serial in (True, False):
+                        if cl and not serial:
+                            continue
+                        c = wgmma_config(m, n, k, facts, waves=waves, fuse_quant=True,
+                                         sw_ahead=2, max_split=16, cluster=cl, block_n=bn,
+                                         serial_reduce=serial)
+                        c = launch_options(c, m, facts)
+                        key = tuple(sorted(c.to_dict().items()))
+                        if key not in seen:
+                            seen.add(key)
+                            out.append(c)
+    seen = set()
+    uniq = []
+    for c in out + candidates(m, n, k, facts):
         key = tuple(sorted(c.to_dict().items()))
         if key not in seen:
             seen.add(key)
@@ -156,6 +203,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--budget", type=float, default=400.0)
+    ap.add_argument("--narrow", action="store_true",
+                    help="only the rule, the one-chain rule and the specialized tiles")
     a = ap.parse_args()
     t0 = time.time()
     if a.check and not check():
@@ -188,7 +237,7 @@ def main() -> int:
             ws = [MXFP8Weight(w.data.clone(), w.scale.clone(), w.layout) for _ in range(cm)]
             xs = [x.clone() for _ in range(cm)]
             res = []
-            for cfg in candidates(m, n, k, facts):
+            for cfg in (candidates if a.narrow else all_candidates)(m, n, k, facts):
                 try:
                     t = time_graph(lambda i, c=cfg, xs=xs, ws=ws: (
                         lambda: triton_linear(xs[i], ws[i], config=c)), cm)
