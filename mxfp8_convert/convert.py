@@ -164,8 +164,9 @@ def convert(
         n_workers = _workers(plan, workers, max_memory)
         if _computes(plan):
             import torch  # noqa: F401 - now, so that _compute_threads can set its threads
-        with _compute_threads(n_workers), watch_source():
-            files = shard_writing.write_shards(shards, workers=n_workers)
+        with _compute_threads(n_workers) as in_flight, watch_source():
+            in_flight = _in_flight(plan, n_workers, in_flight, max_memory)
+            files = shard_writing.write_shards(shards, workers=n_workers, in_flight=in_flight)
         if part is not None:
             staging.suspend()  # `finalize` gathers the parts
             written = sum(f["size"] for f in files.values())
@@ -216,27 +217,38 @@ def _check_free_space(dest: Path, ckpt: SourceCheckpoint, plan: ConversionPlan,
                             hint="free disk space or choose another -o")
 
 
+#: modules a worker computes at once where its torch ops run on one thread but the machine has
+#: a core for each: both cores of a 2-core machine quantize (BENCHMARKS.md, issue 25's dense row)
+MODULES_IN_FLIGHT = 2
+
+
 @contextmanager
-def _compute_threads(workers: int) -> Iterator[None]:
-    """Leave a core to each worker's writer thread while the shards are written.
+def _compute_threads(workers: int) -> Iterator[int]:
+    """Leave a core to each worker's writer thread while the shards are written; yield how many
+    modules each worker computes at once (``ShardTransform``'s ``in_flight``).
 
     torch's OpenMP pool waits for all of its threads at the end of every parallel op; a writer
     thread busy hashing and writing keeps one of them off its core, so on small machines every
     op stalls (2 cores: the MXFP8 and dense conversions ran 1.5x and 3x slower, a fused MoE 4x).
+    Where that leaves one thread per op and there are at least two cores per worker, the worker
+    computes ``MODULES_IN_FLIGHT`` modules side by side on single-threaded ops instead: the
+    thread count of each op is unchanged, and with it MKL's float64 dot products (it splits them
+    by thread count, which rounds differently), so the error sums stay bit for bit the same.
     The setting is process-wide, restored on return. Conversions that only move bytes never
     import torch, and leave it alone.
     """
     if not torch_loaded():
-        yield
+        yield 1
         return
     before = torch.get_num_threads()
     if hasattr(os, "sched_getaffinity"):
         cores = len(os.sched_getaffinity(0))
     else:
         cores = os.cpu_count() or 1
-    torch.set_num_threads(max(1, min(before, cores - workers)))
+    threads = max(1, min(before, cores - workers))
+    torch.set_num_threads(threads)
     try:
-        yield
+        yield MODULES_IN_FLIGHT if threads == 1 and cores >= 2 * workers else 1
     finally:
         torch.set_num_threads(before)
 
@@ -253,6 +265,21 @@ def _computes(plan: ConversionPlan) -> bool:
 WORKER_BASE_BYTES = (2 * PIPELINE_DEPTH + 2) * CHUNK_BYTES
 
 
+def _module_bytes(plan: ConversionPlan) -> int:
+    """Memory of the largest module computed whole (see ``_workers``)."""
+    modules = (*plan.modules, *(m for layer in plan.moe for m in layer.modules))
+    return max((m.n * m.k * 2 for m in modules if computed(m)), default=0)
+
+
+def _in_flight(plan: ConversionPlan, workers: int, in_flight: int, max_memory: int | None) -> int:
+    """``in_flight`` modules per worker, or one where ``max_memory`` does not hold the extra
+    modules (one being written and ``in_flight`` being computed)."""
+    if in_flight <= 1 or max_memory is None:
+        return in_flight
+    need = workers * (WORKER_BASE_BYTES + (in_flight + 1) * _module_bytes(plan))
+    return in_flight if need <= max_memory else 1
+
+
 def _workers(plan: ConversionPlan, workers: int, max_memory: int | None) -> int:
     """Workers to run: at most ``workers``, as many as ``max_memory`` bytes allow, at most one
     per shard. A worker holds its buffers and, for modules computed whole (FP8, dense,
@@ -260,9 +287,7 @@ def _workers(plan: ConversionPlan, workers: int, max_memory: int | None) -> int:
     float32 working chunks)."""
     if workers < 1:
         raise ConvertError(f"--workers must be at least 1, got {workers}")
-    modules = (*plan.modules, *(m for layer in plan.moe for m in layer.modules))
-    whole = [m.n * m.k * 2 for m in modules if computed(m)]
-    per_worker = WORKER_BASE_BYTES + max(whole, default=0)
+    per_worker = WORKER_BASE_BYTES + _module_bytes(plan)
     if max_memory is not None:
         if max_memory < per_worker:
             raise ConvertError(f"--max-memory {max_memory} bytes is below what one worker needs "
@@ -282,11 +307,15 @@ class _ShardWriting:
         self.staging, self.modes = staging, modes
         self.proof = SourceProof(ckpt, plan)
         self.errors: dict[str, dict] = {}
+        self.in_flight = 1
         self.done = 0
         self._lock = threading.Lock()
 
-    def write_shards(self, shards: list[ShardPlan], *, workers: int = 1) -> dict[str, dict]:
-        """Write ``shards`` (``workers`` at a time), keeping any an interrupted run finished."""
+    def write_shards(self, shards: list[ShardPlan], *, workers: int = 1,
+                     in_flight: int = 1) -> dict[str, dict]:
+        """Write ``shards`` (``workers`` at a time, each computing ``in_flight`` modules at
+        once), keeping any an interrupted run finished."""
+        self.in_flight = in_flight
         def one(shard: ShardPlan) -> tuple[str, dict]:
             rec = self.staging.finished(shard.name)
             if (rec is None or rec.get("errors") is None
@@ -316,7 +345,8 @@ class _ShardWriting:
             return readers[info.file]
 
         produce = ShardTransform(self.ckpt.tensors, self.proof.modules, self.proof.moe,
-                                 self.backend, reader, self.errors)
+                                 self.backend, reader, self.errors, in_flight=self.in_flight)
+        produce.expect(shard.tensors)
         blobs = self.proof.blobs(shard)
         writer = ShardWriter(self.staging.path / shard.name, entries,
                              shard_metadata(self.ckpt, self.plan, shard), depth=PIPELINE_DEPTH,
@@ -328,9 +358,11 @@ class _ShardWriting:
             rec = file_record(*writer.close())
             return {**rec, "source": SourceProof.record(produce.source_hashes(), blobs)}
         except BaseException:
+            produce.close()  # before the writer goes: no helper still reads the source
             writer.abort()
             raise
         finally:
+            produce.close()
             for r in readers.values():
                 r.close()
 

@@ -274,6 +274,9 @@ def _e4m3_pair_table() -> np.ndarray:
 
 
 _E4M3_PAIRS_F32 = _e4m3_pair_table()
+#: the same table as int64 entries for ``torch.index_select``, which, unlike ``np.take``, runs
+#: without the GIL, so two modules quantized on two threads look their values up side by side
+_E4M3_PAIRS_T = torch.from_numpy(_E4M3_PAIRS_F32.view(np.int64))
 
 
 def _residual_f32(xf: torch.Tensor, q: torch.Tensor, codes: torch.Tensor) -> torch.Tensor:
@@ -290,9 +293,9 @@ def _residual_f32(xf: torch.Tensor, q: torch.Tensor, codes: torch.Tensor) -> tor
     values are below ``2^-118``).
     """
     n, k = xf.shape
-    if q.device.type == "cpu":
-        pairs = q.reshape(-1).view(torch.uint8).numpy().view(np.uint16)
-        deq = torch.from_numpy(np.take(_E4M3_PAIRS_F32, pairs).view(np.float32).reshape(n, k))
+    if q.device.type == "cpu":  # pairs of bytes as native uint16 (int16 widened, masked)
+        pairs = q.reshape(-1, 2).view(torch.int16).reshape(-1).to(torch.int32).bitwise_and_(0xFFFF)
+        deq = torch.index_select(_E4M3_PAIRS_T, 0, pairs).view(torch.float32).view(n, k)
     else:
         deq = q.to(torch.float32)
     deq.view(n, k // MX_BLOCK, MX_BLOCK).mul_(_exp2_f32(codes - UE8M0_BIAS).unsqueeze(-1))

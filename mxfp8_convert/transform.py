@@ -14,7 +14,8 @@ weight and are laid out whole. The functions below it are the per-module math, a
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Iterable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
@@ -84,16 +85,48 @@ class ShardTransform:
             closes them).
         errors: module -> quantization error record, filled as modules are computed (shared
             by the workers: one key per module).
+        in_flight: modules whose canonical bytes are computed at once: above 1, the modules
+            ``expect`` announces are computed ahead on that many helper threads (each torch op
+            of them on as many threads as the process allows), while this one writes; the
+            bytes, the errors and their order are those of computing them one by one. ``close``
+            stops the helpers.
     """
 
     def __init__(self, tensors: dict[str, TensorInfo], modules: dict[str, ModulePlan],
                  moe: dict[str, MoELayerPlan], backend: BackendSpec,
-                 reader: Callable[[TensorInfo], ShardReader], errors: dict[str, dict]) -> None:
+                 reader: Callable[[TensorInfo], ShardReader], errors: dict[str, dict],
+                 *, in_flight: int = 1) -> None:
         self.tensors, self.modules, self.moe, self.backend = tensors, modules, moe, backend
         self.reader, self.errors = reader, errors
         self.pool = BufferPool(CHUNK_BYTES, PIPELINE_DEPTH + 2)  # queued + in hand
         self.pending: dict[str, tuple] = {}  # module -> canonical (q, s) until both are written
         self.hashes: dict[str, xxhash.xxh3_64] = {}  # source_key -> hasher of its bytes
+        self.in_flight = in_flight
+        self._order: list[ModulePlan] = []  # modules computed ahead, in the order produced
+        self._next = 0  # index in _order of the next module to submit
+        self._futures: dict[str, Future] = {}
+        self._helpers: ThreadPoolExecutor | None = None
+
+    def expect(self, tensors: Iterable[TensorPlan]) -> None:
+        """The tensors about to be produced, in order: with ``in_flight`` above 1, the modules
+        among them whose canonical bytes are computed one at a time (not fused MoE experts) are
+        computed ahead."""
+        if self.in_flight <= 1:
+            return
+        seen = {m.name for m in self._order}
+        for t in tensors:
+            m = self.modules.get(t.module) if t.module else None
+            if (m is not None and t.module not in self.moe and m.action != "dequantize"
+                    and computed(m) and m.name not in seen):
+                seen.add(m.name)
+                self._order.append(m)
+
+    def close(self) -> None:
+        """Stop the helper threads: modules not started are dropped, running ones finish."""
+        if self._helpers is not None:
+            self._helpers.shutdown(wait=True, cancel_futures=True)
+            self._helpers = None
+        self._futures.clear()
 
     def source_hashes(self) -> dict[str, str]:
         """``source_key -> xxh3_64`` of every source tensor read so far."""
@@ -206,13 +239,36 @@ class ShardTransform:
             for info in (m.weight, m.scale):
                 if info is not None:
                     self._hash_whole(info)
-            scale = self.source(m.scale) if m.scale is not None else None
-            src = BACKENDS[m.source_backend] if m.source_backend else None
-            q, s, err = canonical_module(m, self.source(m.weight), scale, src)
+            future = self._ahead(m)
+            q, s, err = future.result() if future is not None else self._compute(m)
             if err is not None:
                 self.errors[m.name] = {"action": m.action, **err.to_dict()}
             self.pending[m.name] = (q, s)
         return self.pending[m.name]
+
+    def _compute(self, m: ModulePlan) -> tuple[torch.Tensor, torch.Tensor, QuantError | None]:
+        scale = self.source(m.scale) if m.scale is not None else None
+        src = BACKENDS[m.source_backend] if m.source_backend else None
+        return canonical_module(m, self.source(m.weight), scale, src)
+
+    def _ahead(self, m: ModulePlan) -> Future | None:
+        """The computation of ``m`` if it runs (or ran) on a helper, after submitting the
+        modules that follow it, up to ``in_flight`` at once; None: compute it here."""
+        if m.name not in self._futures and (
+                self._next >= len(self._order) or self._order[self._next] is not m):
+            return None  # not expected here (or not in that order): computed in this thread
+        if self._helpers is None:
+            self._helpers = ThreadPoolExecutor(self.in_flight, thread_name_prefix="mxfp8-module")
+        while self._next < len(self._order) and len(self._futures) < self.in_flight:
+            nxt = self._order[self._next]
+            self._next += 1
+            if nxt.name in self.pending:  # computed here already (produced out of order)
+                continue
+            scale = self.source(nxt.scale) if nxt.scale is not None else None
+            src = BACKENDS[nxt.source_backend] if nxt.source_backend else None
+            self._futures[nxt.name] = self._helpers.submit(
+                canonical_module, nxt, self.source(nxt.weight), scale, src)
+        return self._futures.pop(m.name)
 
     def _from_canonical(self, t: TensorPlan, m: ModulePlan, sink: Sink) -> Iterator[int]:
         """Sources whose canonical bytes must be computed first (laid out, FP8, dense): one
