@@ -10,13 +10,27 @@ output projection, a router or a gate (a linear of one output, or of one output 
 Name rules (``NameRules``) decide only where the architecture cannot be built (no
 transformers, a ``model_type`` it does not know, a config it rejects) or does not have the
 tensor; every decision says which way it was made.
+
+Building it costs seconds of imports (transformers' model modules pull in ``torch._dynamo``,
+``torch.distributed.tensor`` and triton), so ``decisions()`` keeps the decisions it made for a
+checkpoint's tensors in the user's cache (``$XDG_CACHE_HOME/mxfp8-convert/architecture``),
+under a key of everything they depend on: this module's source, the installed transformers and
+torch (version and their wheel's file list with hashes), config.json and the tensors' names and
+shapes. A file that does not read back as exactly the entry for that key is ignored and made
+again.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 import re
+import tempfile
+from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
+from pathlib import Path
 
 #: what a checkpoint weight is; ``QUANTIZED_KINDS`` are quantized by default
 KINDS = {
@@ -270,3 +284,123 @@ def _model_class(transformers, config: dict, cfg):
         if type(cfg) in mapping:
             return mapping[type(cfg)]
     raise ValueError(f"no transformers model class for {type(cfg).__name__}")
+
+
+# --- the decisions, cached per (code, transformers, torch, config, tensors) -------------------
+
+#: version of the cache files' contents; bump it when they change
+CACHE_FORMAT = 1
+#: (tensor name, shape) of a checkpoint weight whose decision is asked for
+Query = tuple[str, tuple[int, ...]]
+
+
+class CachedDecisions:
+    """The architecture's decisions for a checkpoint's tensors, read from the cache; a tensor
+    they do not cover is decided by the architecture itself, built then (``build``)."""
+
+    basis = "architecture"
+
+    def __init__(self, made: dict[Query, Decision], build: Callable[[], object]) -> None:
+        self.made, self._build, self._arch = made, build, None
+
+    def decide(self, tensor: str, shape: tuple[int, ...]) -> Decision:
+        """What checkpoint tensor ``tensor`` (``P.weight``, or a stacked ``P``) is."""
+        d = self.made.get((tensor, tuple(shape)))
+        if d is not None:
+            return d
+        if self._arch is None:
+            self._arch = self._build()
+        return self._arch.decide(tensor, shape)
+
+
+def cache_root() -> Path:
+    """``$XDG_CACHE_HOME/mxfp8-convert`` (XDG: an unset, empty or relative value means
+    ``~/.cache``)."""
+    base = os.environ.get("XDG_CACHE_HOME", "")
+    if not os.path.isabs(base):
+        base = os.path.join(os.path.expanduser("~"), ".cache")
+    return Path(base) / "mxfp8-convert"
+
+
+def decisions(config: dict | None, tensors: list[Query]) -> ModelArchitecture | NameRules | \
+        CachedDecisions:
+    """``architecture(config)`` for deciding ``tensors``, through the cache: on a hit nothing
+    is built (transformers is not imported); on a miss the architecture is built and, where it
+    could be (``basis == "architecture"``), its decisions for ``tensors`` are cached. A cache
+    that cannot be read or written is passed over: the decisions are the same either way."""
+    key = _cache_key(config, tensors)
+    if key is None:  # no config.json, or no transformers: nothing worth caching
+        return architecture(config)
+    path = cache_root() / "architecture" / f"{key}.json"
+    made = _read_cache(path, key, tensors)
+    if made is not None:
+        return CachedDecisions(made, lambda: architecture(config))
+    arch = architecture(config)
+    if arch.basis == "architecture":
+        _write_cache(path, key, [(t, arch.decide(*t)) for t in tensors])
+    return arch
+
+
+def _installed(dist: str) -> list[str] | None:
+    """What identifies an installed distribution without importing it: where it is, its
+    version and the sha256 of its RECORD (every file of a wheel install, with its hash)."""
+    from importlib import metadata, util
+
+    try:
+        d = metadata.distribution(dist)
+        spec = util.find_spec(dist)
+    except (metadata.PackageNotFoundError, ImportError, ValueError):
+        return None
+    if spec is None:
+        return None
+    record = d.read_text("RECORD") or ""
+    return [str(spec.origin), d.version, hashlib.sha256(record.encode()).hexdigest()]
+
+
+def _cache_key(config: dict | None, tensors: list[Query]) -> str | None:
+    if not isinstance(config, dict) or not config:
+        return None
+    transformers = _installed("transformers")
+    if transformers is None:
+        return None
+    doc = {"format": CACHE_FORMAT, "code": hashlib.sha256(Path(__file__).read_bytes()).hexdigest(),
+           "transformers": transformers, "torch": _installed("torch"), "config": config,
+           "tensors": [[n, list(shape)] for n, shape in tensors]}
+    raw = json.dumps(doc, sort_keys=True, separators=(",", ":"), default=repr)
+    return hashlib.sha256(raw.encode()).hexdigest()
+
+
+def _read_cache(path: Path, key: str, tensors: list[Query]) -> dict[Query, Decision] | None:
+    """The cached decisions for ``tensors``, or None unless the file holds exactly them."""
+    try:
+        doc = json.loads(path.read_bytes())
+    except (OSError, ValueError):  # missing, unreadable, not JSON
+        return None
+    if (not isinstance(doc, dict) or doc.get("format") != CACHE_FORMAT or doc.get("key") != key
+            or not isinstance(doc.get("decisions"), list)
+            or len(doc["decisions"]) != len(tensors)):
+        return None
+    made = {}
+    for (name, shape), entry in zip(tensors, doc["decisions"], strict=True):
+        if (not isinstance(entry, list) or len(entry) != 4 or entry[0] != name
+                or entry[1] not in KINDS or entry[2] not in ("architecture", "names")
+                or not isinstance(entry[3], str)):
+            return None
+        made[(name, shape)] = Decision(entry[1], entry[2], entry[3])
+    return made
+
+
+def _write_cache(path: Path, key: str, made: list[tuple[Query, Decision]]) -> None:
+    """Write the entry atomically (a temporary file renamed over it); never fails the caller."""
+    doc = {"format": CACHE_FORMAT, "key": key,
+           "decisions": [[name, d.kind, d.basis, d.why] for (name, _), d in made]}
+    tmp = None
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True, mode=0o700)
+        fd, tmp = tempfile.mkstemp(dir=path.parent, prefix=".tmp-", suffix=".json")
+        with os.fdopen(fd, "w") as f:
+            json.dump(doc, f)
+        os.replace(tmp, path)
+    except OSError:  # read-only or full disk, no home: the next run builds the architecture
+        if tmp is not None:
+            Path(tmp).unlink(missing_ok=True)

@@ -16,6 +16,13 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip)
 
 
+@pytest.fixture(autouse=True)
+def _own_user_cache(tmp_path_factory, monkeypatch):
+    """Each test its own empty user cache (``XDG_CACHE_HOME``, inherited by the CLI processes
+    tests start): architecture decisions one test cached must not answer another's."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path_factory.mktemp("xdg-cache")))
+
+
 @pytest.fixture(scope="session")
 def flashinfer():
     """The installed FlashInfer package; the test setup installs it, so these tests run in CI."""

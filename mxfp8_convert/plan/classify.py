@@ -123,17 +123,22 @@ def _quantized_pairs(
     return sorted(out, key=itemgetter(0))
 
 
-_ARCHITECTURES: dict[str, object] = {}
+_ARCHITECTURES: dict[tuple, object] = {}
 
 
 def dense_architecture(ckpt: SourceCheckpoint):
-    """``architecture.architecture(config)``, built once per config (it imports transformers)."""
-    from mxfp8_convert.architecture import architecture
+    """``architecture.decisions(config, weights)`` for the float weights this module asks
+    about, made once per config and tensors (building the architecture imports transformers;
+    the decisions are cached across runs)."""
+    from mxfp8_convert.architecture import decisions
 
-    key = ckpt.config_raw.decode("utf-8", "replace")
+    queries = [(n, tuple(i.shape)) for n, i in sorted(ckpt.tensors.items())
+               if i.dtype in FLOAT_DTYPES and (len(i.shape) == 3
+                                               or (len(i.shape) == 2 and n.endswith(".weight")))]
+    key = (ckpt.config_raw, tuple(queries))
     if key not in _ARCHITECTURES:
         _ARCHITECTURES.clear()  # one model at a time
-        _ARCHITECTURES[key] = architecture(ckpt.config)
+        _ARCHITECTURES[key] = decisions(ckpt.config, queries)
     return _ARCHITECTURES[key]
 
 
