@@ -22,6 +22,7 @@ again.
 
 from __future__ import annotations
 
+import copy
 import hashlib
 import json
 import os
@@ -253,7 +254,10 @@ def architecture(config: dict | None) -> ModelArchitecture | NameRules:
         return NameRules(
             f"model_type {model_type!r} unknown to transformers {transformers.__version__}", experts
         )
-    kwargs = {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")}
+    # a deep copy: transformers standardizes nested dicts in place (it adds ``rope_theta`` to
+    # ``rope_scaling``), which would leak into the output's config.json
+    kwargs = copy.deepcopy(
+        {k: v for k, v in config.items() if k not in ("model_type", "quantization_config")})
     with _quiet(transformers):
         try:
             cfg = AutoConfig.for_model(model_type, **kwargs)

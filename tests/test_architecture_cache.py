@@ -159,3 +159,22 @@ def test_name_rules_are_not_cached(tmp_path, builds):
     src = fam.write(tmp_path / "src", cfg, fam.llama_dense(fam.llama_config()))
     plans = [_plan(src), _plan(src)]
     assert plans[0] == plans[1] and len(builds) == 2 and _entries() == []
+
+
+def test_the_output_config_is_the_sources_whether_built_or_cached(tmp_path):
+    from mxfp8_convert import convert
+
+    # Llama-3.x's rope_scaling: transformers' config adds rope_theta to the dict it is given
+    rope = {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+            "original_max_position_embeddings": 8192, "rope_type": "llama3"}
+    src = _llama(tmp_path, rope_scaling=rope, rope_theta=500000.0)
+    source = json.loads((src / "config.json").read_text())
+    outs = []
+    for run in ("built", "cached"):
+        classify._ARCHITECTURES.clear()
+        convert(src, "canonical", tmp_path / run)
+        out = json.loads((tmp_path / run / "config.json").read_text())
+        assert out.pop("quantization_config")["quant_method"] == "mxfp8"
+        assert out == source
+        outs.append((tmp_path / run / "config.json").read_bytes())
+    assert outs[0] == outs[1]
