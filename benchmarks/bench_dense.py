@@ -2,12 +2,14 @@
 
 Builds a synthetic 3.0 GB BF16 checkpoint with Llama-3.2-1B's config and tensor names (lm_head
 untied; random weights, no Hub), then times, interleaved in fresh processes: ``cp -r`` +
-``sync`` of the same files, ``mxfp8-convert SRC --backend canonical``, and the plain
-load / quantize / save script ``naive_dense.py`` (+ ``sync``); optionally the converter of an
-older tree (``--baseline DIR``, e.g. ``git archive main | tar -x -C DIR``), whose output is then
-compared byte for byte with ours (``cmp``); and, for its share, a process that only builds the
-transformers architecture the converter consults. Wall and CPU time and peak RSS of each child
-from ``os.wait4``.
+``sync`` of the same files, ``mxfp8-convert SRC --backend canonical`` with an empty user cache
+(each round's own ``XDG_CACHE_HOME``: the architecture is built) and again with the cache that
+run left (the architecture's decisions read back), the plain load / quantize / save script
+``naive_dense.py`` (+ ``sync``); optionally the converter of an older tree (``--baseline DIR``,
+e.g. ``git archive main | tar -x -C DIR``); every converter output is compared byte for byte
+with the first's (``cmp``; for JSON files that differ, the keys that do). And, for its share,
+a process that only builds the transformers architecture the converter consults. Wall and CPU
+time and peak RSS of each child from ``os.wait4``.
 
 Usage: python benchmarks/bench_dense.py [--dir /tmp/bench-dense] [--repeat 2] [--baseline DIR]
 """
@@ -89,10 +91,14 @@ def timed(cmd: list[str]) -> tuple[float, float, int]:
     return wall, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024
 
 
-def run_round(dst: Path, contenders: dict[str, list[str]], runs: dict, keep: Path) -> None:
+def run_round(dst: Path, contenders: dict[str, list[str]], runs: dict, keep: Path,
+              cache: Path) -> None:
     """One interleaved round; each contender writes ``dst`` afresh (the converters' outputs are
     moved to ``keep``, under their names, for the byte comparison). Writers but the converter,
-    which fsyncs its own output, are followed by a timed ``sync``."""
+    which fsyncs its own output, are followed by a timed ``sync``. ``cache`` (the converters'
+    ``XDG_CACHE_HOME``) starts the round empty."""
+    shutil.rmtree(cache, ignore_errors=True)
+    cache.mkdir(parents=True)
     for name, cmd in contenders.items():
         shutil.rmtree(dst, ignore_errors=True)
         subprocess.run(["sync"], check=True)
@@ -105,16 +111,31 @@ def run_round(dst: Path, contenders: dict[str, list[str]], runs: dict, keep: Pat
             shutil.move(str(dst), keep / name)
 
 
-def compare(keep: Path, names: list[str]) -> bool:
-    """``cmp`` every file of the first converter's output with the others'."""
-    first, same = keep / names[0], True
+def json_diff(a, b, at: str = "") -> list[str]:
+    """Paths of the keys (or items) where two JSON documents differ."""
+    if isinstance(a, dict) and isinstance(b, dict):
+        return [d for k in sorted(a.keys() | b.keys(), key=str)
+                for d in json_diff(a.get(k), b.get(k), f"{at}.{k}")]
+    if isinstance(a, list) and isinstance(b, list) and len(a) == len(b):
+        pairs = enumerate(zip(a, b, strict=True))
+        return [d for i, (x, y) in pairs for d in json_diff(x, y, f"{at}[{i}]")]
+    return [] if a == b else [at or "."]
+
+
+def compare(keep: Path, names: list[str]) -> dict[str, dict[str, list[str] | str]]:
+    """``cmp`` every file of the first converter's output with the others': other -> file ->
+    "same", or the JSON keys that differ, or "DIFFER"."""
+    first, out = keep / names[0], {}
     for other in names[1:]:
         for p in sorted((first).iterdir()):
-            r = subprocess.run(["cmp", str(p), str(keep / other / p.name)], capture_output=True)
-            verdict = "same" if r.returncode == 0 else "DIFFER"
+            q = keep / other / p.name
+            r = subprocess.run(["cmp", str(p), str(q)], capture_output=True)
+            verdict: list[str] | str = "same" if r.returncode == 0 else "DIFFER"
+            if r.returncode and p.suffix == ".json" and q.exists():
+                verdict = json_diff(json.loads(p.read_text()), json.loads(q.read_text()))
             print(f"cmp {names[0]} vs {other}: {p.name}: {verdict}")
-            same &= r.returncode == 0
-    return same
+            out.setdefault(other, {})[p.name] = verdict
+    return out
 
 
 def main() -> None:
@@ -137,9 +158,13 @@ def main() -> None:
     cli = ["-P", "-m", "mxfp8_convert", str(src), "--backend", "canonical", "--quiet", "-o"]
     arch = ("import json, sys; from mxfp8_convert.architecture import architecture; "
             "a = architecture(json.load(open(sys.argv[1]))); assert a.basis == 'architecture'")
+    cache = base / "xdg-cache"
+    env = ["env", f"PYTHONPATH={tree}", f"XDG_CACHE_HOME={cache}", sys.executable]
     contenders = {
         "cp -r + sync": ["cp", "-r", str(src)],
-        "mxfp8-convert canonical": ["env", f"PYTHONPATH={tree}", sys.executable, *cli],
+        # the first run of the round builds the architecture, the second reads its decisions
+        "mxfp8-convert canonical": [*env, *cli],
+        "mxfp8-convert canonical, architecture cached": [*env, *cli],
         "naive_dense.py + sync": [sys.executable, str(HERE / "naive_dense.py"), str(src), "-o"],
         # its share: a process that only builds the architecture (imports torch, transformers)
         "architecture only": ["env", f"PYTHONPATH={tree}", sys.executable, "-P", "-c", arch,
@@ -147,23 +172,26 @@ def main() -> None:
     }
     if args.baseline:
         contenders["mxfp8-convert canonical@baseline"] = [
-            "env", f"PYTHONPATH={Path(args.baseline).resolve()}", sys.executable, *cli]
+            "env", f"PYTHONPATH={Path(args.baseline).resolve()}", f"XDG_CACHE_HOME={cache}",
+            sys.executable, *cli]
     subprocess.run(["cat", str(src / "model.safetensors")], stdout=subprocess.DEVNULL, check=True)
     runs: dict[str, list[dict]] = {}
     for _ in range(args.repeat):
-        run_round(dst, contenders, runs, keep)
+        run_round(dst, contenders, runs, keep, cache)
     shutil.rmtree(dst, ignore_errors=True)
+    shutil.rmtree(cache, ignore_errors=True)
     same = compare(keep, [n for n in contenders if n.startswith("mxfp8-convert")])
     report(runs, size, same, args)
 
 
-def report(runs: dict, size: int, same: bool, args) -> None:
+def report(runs: dict, size: int, same: dict, args) -> None:
     """Per contender: median wall and CPU seconds, wall time over cp's in each round (the
     spread), peak RSS; and the JSON under benchmarks/results/."""
     cp = [r["wall_s"] for r in runs["cp -r + sync"]]
     print(f"source: {size / 1e9:.2f} GB BF16 (Llama-3.2-1B shapes), {args.repeat} interleaved "
           f"rounds; load average now {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores; "
-          f"converter outputs identical: {same}")
+          f"converter outputs identical: "
+          f"{all(v == 'same' for files in same.values() for v in files.values())}")
     rows = []
     for name, rs in runs.items():
         wall, cpu = [r["wall_s"] for r in rs], [r["cpu_s"] for r in rs]
@@ -177,7 +205,7 @@ def report(runs: dict, size: int, same: bool, args) -> None:
     Path(args.out).write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
         "host": os.uname().nodename, "cores": os.cpu_count(), "bytes": size,
-        "outputs_identical": same, "rows": rows}, indent=1) + "\n")
+        "outputs_compared": same, "rows": rows}, indent=1) + "\n")
 
 
 if __name__ == "__main__":
