@@ -2,7 +2,9 @@
 
 Run: ``python benchmarks/bench_quantize.py [--device cuda] [--rows 7168] [--cols 2048]``.
 Prints the environment, a memcpy baseline, and the median time and GB/s (bytes read + written)
-of each operation. Never collected by pytest.
+of each operation; and two weights quantized with their error one after the other, beside the
+same two on two threads at once (what a conversion does where its ops run on one thread:
+``convert.MODULES_IN_FLIGHT``). Never collected by pytest.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import importlib.metadata
 import platform
 import statistics
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
@@ -82,6 +85,13 @@ def main() -> None:
             lambda: per_tensor_fp8_to_mxfp8(w, torch.tensor(0.3, device=dev)),
             n * k + mx_bytes,
         ),
+    ]
+    pool = ThreadPoolExecutor(2)
+    cases += [
+        ("2x with_error, one by one", lambda: [quantize_mxfp8_with_error(x) for _ in range(2)],
+         2 * (2 * n * k + mx_bytes)),
+        ("2x with_error, 2 threads", lambda: list(pool.map(quantize_mxfp8_with_error, (x, x))),
+         2 * (2 * n * k + mx_bytes)),
     ]
     for label, fn, nbytes in cases:
         sec = median_seconds(fn, dev, args.repeats)
