@@ -46,6 +46,8 @@ from mxfp8_convert.run import (
 )
 from mxfp8_convert.transform import CHUNK_BYTES, PIPELINE_DEPTH, ShardTransform, computed
 from mxfp8_convert.write import (
+    DIRECT_BUFFERS,
+    DIRECT_BYTES,
     ShardWriter,
     Staging,
     check_destination,
@@ -212,7 +214,7 @@ def _check_free_space(dest: Path, ckpt: SourceCheckpoint, plan: ConversionPlan,
         need = sum(s.nbytes for s in shards) + (1 << 20)
     need -= finished_bytes(staging)
     free = free_bytes(dest.parent)
-    if free < need:
+    if free is not None and free < need:
         raise DiskFullError(f"{dest.parent}: {free} bytes free, the output needs {need} more",
                             hint="free disk space or choose another -o")
 
@@ -261,8 +263,9 @@ def _computes(plan: ConversionPlan) -> bool:
     return any(computed(m) for m in modules)
 
 
-#: memory one worker needs beyond its largest in-memory module: its buffer pool and queue
-WORKER_BASE_BYTES = (2 * PIPELINE_DEPTH + 2) * CHUNK_BYTES
+#: memory one worker needs beyond its largest in-memory module: its buffer pool and queue, and
+#: its shard writer's direct-write buffers
+WORKER_BASE_BYTES = (2 * PIPELINE_DEPTH + 2) * CHUNK_BYTES + DIRECT_BUFFERS * DIRECT_BYTES
 
 
 def _module_bytes(plan: ConversionPlan) -> int:

@@ -41,16 +41,25 @@ from mxfp8_convert.format import (  # noqa: F401 - re-exported
 )
 from mxfp8_convert.format import PARTIAL_MANIFEST as MANIFEST_NAME
 
-#: bytes per write(), and per step of the one pass over each chunk (scan, hashes, layout,
-#: write): 256 KiB writes ran 2-5x faster than 32 MiB ones on ext4 here (the piece is still in
-#: the CPU cache when the kernel copies it); BENCHMARKS.md
+#: bytes per step of the one pass over each chunk (scan, hashes, layout, copy or write): the
+#: piece is still in the CPU cache for each of them (256 KiB buffered writes ran 2-5x faster
+#: than 32 MiB ones on ext4 here); BENCHMARKS.md
 WRITE_PIECE = 256 << 10
 #: writes smaller than this are copied into one buffer and written together: a thread hand-off
 #: per small tensor cost ~0.2 ms, which dominated checkpoints of many small tensors
 COALESCE_BYTES = 1 << 20
-#: every this many bytes written, the last window's pages are handed to writeback and the
-#: window before it (written back by then) dropped from the page cache (``ShardWriter._let_go``)
+#: buffered writes only: every this many bytes written, the last window's pages are handed to
+#: writeback and the window before it dropped from the page cache (``_Buffered._let_go``)
 WRITEBACK_BYTES = 32 << 20
+#: O_DIRECT: every direct write's file offset, length and buffer address is a multiple of this
+#: (the page size; a multiple of the usual logical block sizes). A file system that refuses
+#: O_DIRECT or these writes gets buffered ones instead (``_Direct._write_all``)
+DIRECT_ALIGN = 4096
+#: bytes per direct write, and per page-aligned buffer; each shard writer fills one buffer
+#: while the others are written (BENCHMARKS.md, "4.33 GB conversion vs cp")
+DIRECT_BYTES = 8 << 20
+DIRECT_BUFFERS = 3
+_O_DIRECT = getattr(os, "O_DIRECT", 0)
 
 
 def _fsync_dir(path: Path) -> None:
@@ -90,72 +99,52 @@ Scan = Callable[[memoryview, int], None]
 LayOut = Callable[[memoryview, "np.ndarray"], "np.ndarray"]
 
 
-class ShardWriter:
-    """Stream one safetensors file whose tensors (name, dtype, shape, nbytes) are known upfront.
+def _write_all(f, piece: memoryview) -> None:
+    while piece.nbytes:
+        piece = piece[f.write(piece):]
 
-    Tensors must be written in the order given, each exactly ``nbytes`` long; ``close()``
-    checks that and returns ``(size, xxh3_128 hex)`` of the file.
 
-    Each queued chunk gets one pass on the writer thread, ``WRITE_PIECE`` bytes at a time while
-    the piece is in the CPU cache: the optional check (``scan``) and source hash, the layout
-    (``lay_out``, e.g. a row shuffle into a scratch buffer), the output hash, the write.
-    (Three passes on three threads, each over the chunk from memory, cost more CPU than the one
-    pass: BENCHMARKS.md.) The caller reads and lays out the next chunk meanwhile; at most
-    ``depth`` chunks wait, bounding memory. Small writes are gathered and handled on the
-    caller's thread, which a hand-off would cost more than.
+def _set_direct(fd: int, on: bool) -> bool:
+    """Turn O_DIRECT on or off for ``fd``; False where the file system (or the OS) refuses."""
+    if not _O_DIRECT:
+        return False
+    import fcntl
+
+    try:
+        flags = fcntl.fcntl(fd, fcntl.F_GETFL)
+        fcntl.fcntl(fd, fcntl.F_SETFL, flags | _O_DIRECT if on else flags & ~_O_DIRECT)
+    except OSError:
+        return False
+    return True
+
+
+class _Buffered:
+    """The file's bytes written through the page cache as the pass produces them, each piece
+    straight from where it lies (the source mapping, or the layout's scratch buffer).
+
+    For file systems that refuse O_DIRECT (e.g. ramfs, some FUSE and network file systems).
+    Runs on the writer thread.
     """
 
-    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...], int]],
-                 metadata: dict[str, str], *, depth: int = 2, mode: int = 0o644):
-        self.path = path
-        header: dict = {"__metadata__": metadata} if metadata else {}
-        pos = 0
-        for name, dtype, shape, nbytes in entries:
-            header[name] = {"dtype": dtype, "shape": list(shape),
-                            "data_offsets": [pos, pos + nbytes]}
-            pos += nbytes
-        raw = json.dumps(header, separators=(",", ":")).encode()
-        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
-        self._expected = 8 + len(raw) + pos
-        self._hash = xxhash.xxh3_128()
-        self._written = 0  # bytes accepted
-        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-write")
-        self._pending: deque = deque()
-        self._depth = depth
-        self._small = bytearray()  # gathered small writes, not yet handed to the writer thread
-        self._scratch: np.ndarray | None = None  # laid-out bytes of one block (writer thread)
-        self._on_disk = 0  # bytes written to the file (writer thread only)
-        self._windows = (0, 0)  # starts of the last two windows handed to writeback (same)
+    def __init__(self, f) -> None:
+        self._f = f
+        self._scratch: np.ndarray | None = None  # laid-out bytes of one block
+        self._on_disk = 0
+        self._windows = (0, 0)  # starts of the last two windows handed to writeback
         self._flusher = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-flush")
-        try:
-            self._f = open(create_file(path, mode), "wb", buffering=0)
-        except OSError as e:
-            raise os_error(path, e) from None
-        try:
-            self.write(struct.pack("<Q", len(raw)) + raw)
-        except BaseException:
-            self.abort()
-            raise
 
-    def _drain(self, keep: int) -> None:
-        while len(self._pending) > keep:
-            job, data, release = self._pending.popleft()
-            try:
-                job.result()
-            except OSError as e:
-                raise os_error(self.path, e) from None
-            finally:
-                if not job.done() and not job.cancel():  # the thread may not still read `data`
-                    concurrent.futures.wait([job])
-                if release is not None:
-                    release(data)
+    def step(self, granule: int) -> int:
+        return max(granule, WRITE_PIECE // granule * granule)
 
-    def _write_all(self, piece: memoryview) -> None:
-        while piece.nbytes:
-            piece = piece[self._f.write(piece):]
+    def take(self, n: int) -> np.ndarray:
+        """Where to lay out the next ``n`` bytes before ``put``."""
+        if self._scratch is None or self._scratch.size < n:
+            self._scratch = np.empty(n, dtype=np.uint8)
+        return self._scratch[:n]
 
-    def _wrote(self, n: int) -> None:
-        self._on_disk += n
+    def put(self, piece: memoryview) -> None:
+        _write_all(self._f, piece)
+        self._on_disk += piece.nbytes
         before, last = self._windows
         if self._on_disk - last >= WRITEBACK_BYTES:
             self._flusher.submit(self._let_go, before, self._on_disk)
@@ -178,27 +167,214 @@ class ShardWriter:
         except (AttributeError, OSError, ValueError):
             pass
 
-    def _one_pass(self, mv: memoryview, scan: Scan | None, source, lay_out: LayOut | None = None,
-                  granule: int = 1) -> None:
-        """Each block of ``mv`` while it is in the CPU cache: checked and hashed in source order,
-        laid out (``lay_out``) into a scratch buffer, hashed in file order and written."""
-        step = max(granule, WRITE_PIECE // granule * granule)
-        for at in range(0, mv.nbytes, step):
-            piece = mv[at:at + step]
-            if scan is not None:
-                scan(piece, at)
-            if source is not None:
-                source.update(piece)
-            if lay_out is not None:
-                piece = memoryview(lay_out(piece, self._scratch_for(piece.nbytes))).cast("B")
-            self._hash.update(piece)
-            self._write_all(piece)
-            self._wrote(piece.nbytes)
+    def finish(self) -> None:
+        pass
 
-    def _scratch_for(self, n: int) -> np.ndarray:
+    def close(self) -> None:
+        self._flusher.shutdown(wait=True)
+
+
+def _aligned_buffer(n: int) -> np.ndarray:
+    """A uint8 array of ``n`` bytes starting at a multiple of ``DIRECT_ALIGN``."""
+    raw = np.empty(n + DIRECT_ALIGN, dtype=np.uint8)
+    skip = -raw.ctypes.data % DIRECT_ALIGN
+    return raw[skip:skip + n]
+
+
+class _Direct:
+    """The file's bytes gathered, in file order, into page-aligned ``DIRECT_BYTES`` buffers
+    and written with O_DIRECT by an I/O thread while the pass fills the next buffer.
+
+    Direct writes bypass the page cache: no page allocation, LRU or delayed-allocation work
+    per byte, no dirty pages to hand to writeback (the buffered path's main CPU cost: 0.8-0.9
+    CPU s/GB against ~0.1 here, BENCHMARKS.md). The bytes cost one copy into the buffer (or a
+    layout straight into it), in the same pass as the check and the hashes. The buffers hold
+    the file's bytes from its start, header included, so every full buffer is an aligned
+    write; the last one's aligned part goes direct and its tail (under ``DIRECT_ALIGN``
+    bytes) buffered. A direct write the file system refuses (EINVAL) or cuts short turns
+    O_DIRECT off for the rest of the file. ``take``, ``put`` and ``finish`` run on the writer
+    thread; one I/O thread writes in order, through the file's ``write`` (sequential offsets).
+    """
+
+    def __init__(self, f) -> None:
+        self._f = f
+        self._direct = True  # I/O thread only, once writing
+        self._failed: OSError | None = None  # (same)
+        self._io = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-io")
+        self._made = 0
+        self._writing: deque = deque()  # futures of the writes in flight, each returns its buffer
+        self._buf: np.ndarray | None = None
+        self._fill = 0
+        self._scratch: np.ndarray | None = None  # a laid-out block that straddles two buffers
+
+    def _room(self) -> int:
+        return DIRECT_BYTES - self._fill if self._buf is not None else DIRECT_BYTES
+
+    def step(self, granule: int) -> int:
+        """Bytes of the next piece: up to the current buffer's end (no copy across buffers)."""
+        return max(granule, min(WRITE_PIECE, self._room()) // granule * granule)
+
+    def take(self, n: int) -> np.ndarray:
+        """Where to lay out the next ``n`` bytes: in the buffer, where they fit."""
+        if self._buf is None:
+            self._buf, self._fill = self._next_buffer(), 0
+        if n <= DIRECT_BYTES - self._fill:
+            return self._buf[self._fill:self._fill + n]
         if self._scratch is None or self._scratch.size < n:
             self._scratch = np.empty(n, dtype=np.uint8)
         return self._scratch[:n]
+
+    def put(self, piece: memoryview) -> None:
+        """Append ``piece`` (copied, unless ``take`` gave its place in the buffer)."""
+        src = np.frombuffer(piece, dtype=np.uint8)
+        while src.size:
+            if self._buf is None:
+                self._buf, self._fill = self._next_buffer(), 0
+            k = min(DIRECT_BYTES - self._fill, src.size)
+            dst = self._buf[self._fill:self._fill + k]
+            if dst.ctypes.data != src.ctypes.data:
+                np.copyto(dst, src[:k])
+            self._fill += k
+            src = src[k:]
+            if self._fill == DIRECT_BYTES:
+                self._submit()
+
+    def _next_buffer(self) -> np.ndarray:
+        if self._made < DIRECT_BUFFERS:
+            self._made += 1
+            return _aligned_buffer(DIRECT_BYTES)
+        return self._writing.popleft().result()  # the oldest write's buffer, once written
+
+    def _submit(self) -> None:
+        self._writing.append(self._io.submit(self._write, self._buf, self._fill))
+        self._buf = None
+
+    def _write(self, buf: np.ndarray, n: int) -> np.ndarray:
+        if self._failed is not None:  # the file stops at the failed write: none after it
+            raise self._failed
+        try:
+            self._write_buffer(memoryview(buf)[:n])
+        except OSError as e:
+            self._failed = e
+            raise
+        return buf
+
+    def _write_buffer(self, mv: memoryview) -> None:
+        n = mv.nbytes
+        aligned = n - n % DIRECT_ALIGN
+        self._write_all(mv[:aligned])
+        if aligned < n:  # the file's tail: O_DIRECT needs whole blocks
+            self._buffered()
+            _write_all(self._f, mv[aligned:])
+
+    def _write_all(self, piece: memoryview) -> None:
+        while piece.nbytes:
+            try:
+                n = self._f.write(piece)
+            except OSError as e:
+                if not (self._direct and e.errno == errno.EINVAL):
+                    raise
+                self._buffered()  # refused (alignment, or the file system): write it buffered
+                continue
+            if n < piece.nbytes and self._direct:
+                self._buffered()  # the rest starts unaligned
+            piece = piece[n:]
+
+    def _buffered(self) -> None:
+        if self._direct:
+            self._direct = False
+            _set_direct(self._f.fileno(), False)
+
+    def finish(self) -> None:
+        """Write what the last buffer holds and wait for every write; raises their errors."""
+        if self._buf is not None and self._fill:
+            self._submit()
+        while self._writing:
+            self._writing.popleft().result()
+
+    def close(self) -> None:
+        self._io.shutdown(wait=True, cancel_futures=True)
+
+
+class ShardWriter:
+    """Stream one safetensors file whose tensors (name, dtype, shape, nbytes) are known upfront.
+
+    Tensors must be written in the order given, each exactly ``nbytes`` long; ``close()``
+    checks that and returns ``(size, xxh3_128 hex)`` of the file.
+
+    Each queued chunk gets one pass on the writer thread, ``WRITE_PIECE`` bytes at a time while
+    the piece is in the CPU cache: the optional check (``scan``) and source hash, the layout
+    (``lay_out``, e.g. a row shuffle), the output hash, and the copy into the page-aligned
+    buffer that an I/O thread writes with O_DIRECT (``_Direct``; where the file system refuses
+    O_DIRECT, a buffered write of the piece instead: ``_Buffered``). The caller reads and lays
+    out the next chunk meanwhile; at most ``depth`` chunks wait, bounding memory. Small writes
+    are gathered and handled on the caller's thread, which a hand-off would cost more than.
+    """
+
+    def __init__(self, path: Path, entries: list[tuple[str, str, tuple[int, ...], int]],
+                 metadata: dict[str, str], *, depth: int = 2, mode: int = 0o644):
+        self.path = path
+        header: dict = {"__metadata__": metadata} if metadata else {}
+        pos = 0
+        for name, dtype, shape, nbytes in entries:
+            header[name] = {"dtype": dtype, "shape": list(shape),
+                            "data_offsets": [pos, pos + nbytes]}
+            pos += nbytes
+        raw = json.dumps(header, separators=(",", ":")).encode()
+        raw += b" " * (-len(raw) % 8)  # data starts 8-byte aligned, as safetensors writes it
+        self._expected = 8 + len(raw) + pos
+        self._hash = xxhash.xxh3_128()
+        self._written = 0  # bytes accepted
+        self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-write")
+        self._pending: deque = deque()
+        self._depth = depth
+        self._small = bytearray()  # gathered small writes, not yet handed to the writer thread
+        try:
+            self._f = open(create_file(path, mode), "wb", buffering=0)
+        except OSError as e:
+            raise os_error(path, e) from None
+        direct = _set_direct(self._f.fileno(), True)
+        self._out: _Direct | _Buffered = _Direct(self._f) if direct else _Buffered(self._f)
+        try:
+            self.write(struct.pack("<Q", len(raw)) + raw)
+        except BaseException:
+            self.abort()
+            raise
+
+    @property
+    def direct(self) -> bool:
+        """Whether the file's bytes are written with O_DIRECT (the file system took it)."""
+        return isinstance(self._out, _Direct)
+
+    def _drain(self, keep: int) -> None:
+        while len(self._pending) > keep:
+            job, data, release = self._pending.popleft()
+            try:
+                job.result()
+            except OSError as e:
+                raise os_error(self.path, e) from None
+            finally:
+                if not job.done() and not job.cancel():  # the thread may not still read `data`
+                    concurrent.futures.wait([job])
+                if release is not None:
+                    release(data)
+
+    def _one_pass(self, mv: memoryview, scan: Scan | None, source, lay_out: LayOut | None = None,
+                  granule: int = 1) -> None:
+        """Each block of ``mv`` while it is in the CPU cache: checked and hashed in source order,
+        laid out (``lay_out``), hashed in file order and handed to the output."""
+        at, out = 0, self._out
+        while at < mv.nbytes:
+            piece = mv[at:at + out.step(granule)]
+            at += piece.nbytes
+            if scan is not None:
+                scan(piece, at - piece.nbytes)
+            if source is not None:
+                source.update(piece)
+            if lay_out is not None:
+                piece = memoryview(lay_out(piece, out.take(piece.nbytes))).cast("B")
+            self._hash.update(piece)
+            out.put(piece)
 
     def write(self, data, release=None, *, scan: Scan | None = None, source=None,
               lay_out: LayOut | None = None, granule: int = 1) -> None:
@@ -208,9 +384,9 @@ class ShardWriter:
 
         ``lay_out(piece, out)``: the bytes to write for ``piece`` (a multiple of ``granule``
         bytes of ``data``, e.g. 32 weight rows), laid out into ``out`` (a uint8 array of the same
-        size) and returned. So a row shuffle costs one copy between two cache-resident buffers,
-        in the same pass as the check, the hashes and the write: ``data`` may be the source
-        mapping itself, and no shuffled copy of a chunk is made.
+        size: the piece's place in the output buffer where it fits) and returned. So a row
+        shuffle costs one copy, in the same pass as the check, the hashes and the write:
+        ``data`` may be the source mapping itself, and no shuffled copy of a chunk is made.
         """
         mv = _as_memoryview(data)
         if mv.nbytes % granule:
@@ -257,11 +433,12 @@ class ShardWriter:
         try:
             self._flush_small()
             self._drain(0)
+            self._writer.submit(self._out.finish).result()
         except OSError as e:
             raise os_error(self.path, e) from None
         finally:
             self._writer.shutdown()
-            self._flusher.shutdown()
+            self._out.close()
             self._f.close()
         if self._written != self._expected:
             raise OutputError(f"{self.path}: wrote {self._written} bytes, "
@@ -273,7 +450,7 @@ class ShardWriter:
         for job, _, _ in self._pending:
             job.cancel()
         self._writer.shutdown(wait=True)
-        self._flusher.shutdown(wait=True)
+        self._out.close()
         self._f.close()
         remove_created(self.path)
 
@@ -959,8 +1136,11 @@ def finished_bytes(staging: Staging) -> int:
     return sum(int(rec.get("size") or 0) for rec in staging.files.values())
 
 
-def free_bytes(path: Path) -> int:
+def free_bytes(path: Path) -> int | None:
+    """Bytes free where ``path`` is (or would be); None where the file system keeps no count
+    (no blocks at all, e.g. ramfs: it grows until memory runs out)."""
     p = path
     while not p.exists():
         p = p.parent
-    return shutil.disk_usage(p).free
+    usage = shutil.disk_usage(p)
+    return None if usage.total == 0 else usage.free

@@ -117,3 +117,32 @@ def flashinfer_ref(flashinfer):
             pytest.skip(msg)
 
     return get
+
+
+@pytest.fixture()
+def mount_fs(tmp_path):
+    """``mount_fs(fstype, size=None)`` -> a fresh mount of a memory file system under
+    ``tmp_path`` (``ramfs`` refuses O_DIRECT; ``tmpfs`` takes it), unmounted afterwards.
+    Skipped where mounting is not allowed (not root, not Linux)."""
+    import shutil
+    import subprocess
+    import sys
+
+    mounted = []
+
+    def mount(fstype: str, size: int | None = None):
+        if not sys.platform.startswith("linux") or shutil.which("mount") is None:
+            pytest.skip("needs Linux and mount(8)")
+        mnt = tmp_path / f"{fstype}{len(mounted)}"
+        mnt.mkdir()
+        opts = "mode=0755" + (f",size={size}" if size is not None else "")
+        r = subprocess.run(["mount", "-t", fstype, "-o", opts, fstype, str(mnt)],
+                           capture_output=True, text=True)
+        if r.returncode != 0:
+            pytest.skip(f"cannot mount a {fstype} here ({r.stderr.strip() or r.returncode})")
+        mounted.append(mnt)
+        return mnt
+
+    yield mount
+    for mnt in reversed(mounted):
+        subprocess.run(["umount", str(mnt)], check=False)

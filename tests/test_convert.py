@@ -298,18 +298,20 @@ def test_unchanged_bytes_are_written_from_the_source_mapping(tmp_path, monkeypat
 
 @pytest.mark.parametrize("backend", ["trtllm", "cutlass"])
 def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path, monkeypatch,
-                                                                       backend):
-    """Every WRITEBACK_BYTES written, the shard's pages are handed to writeback and the clean
-    ones dropped (POSIX_FADV_DONTNEED) before the shard is closed: each advice covers the bytes
-    written since the one before it and, again, those of the one before that (written back by
-    then, so now dropped), never the whole file again; the bytes and hashes are those of a run
-    without it, and the fd is still open when advised."""
+                                                                       backend, mount_fs):
+    """Where the file system refuses O_DIRECT (a ramfs), every WRITEBACK_BYTES written, the
+    shard's pages are handed to writeback and the clean ones dropped (POSIX_FADV_DONTNEED)
+    before the shard is closed: each advice covers the bytes written since the one before it
+    and, again, those of the one before that (written back by then, so now dropped), never the
+    whole file again; the bytes and hashes are those of a run without it, and the fd is still
+    open when advised."""
     import os
 
     import mxfp8_convert.write as write
 
     src = _wide_mxfp8(tmp_path / "src")
     convert(src, backend, tmp_path / "plain")
+    fs = mount_fs("ramfs")
     real, calls = os.posix_fadvise, []
 
     def spy(fd, offset, length, advice):
@@ -331,7 +333,7 @@ def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path
                         else pool(**kw))
     monkeypatch.setattr(os, "posix_fadvise", spy)
     monkeypatch.setattr(write, "WRITEBACK_BYTES", 1)  # after every write
-    convert(src, backend, tmp_path / "advised")
+    convert(src, backend, fs / "advised")
     shard = "model.safetensors"
     size = json.loads((tmp_path / "plain" / COMPLETE_MARKER).read_text())["files"][shard]["size"]
     mine = [c for c in calls if c[0].endswith(shard)]
@@ -342,8 +344,8 @@ def test_written_pages_are_handed_to_writeback_while_a_shard_is_written(tmp_path
     assert all(c[1] == before[1] + before[2] for before, c in zip(mine, mine[2:], strict=False))
     assert min(c[4] for c in mine) < size  # while the shard was still being written
     a = json.loads((tmp_path / "plain" / COMPLETE_MARKER).read_text())["files"]
-    b = json.loads((tmp_path / "advised" / COMPLETE_MARKER).read_text())["files"]
-    assert a == b and b[shard]["xxh3_128"] == xxh(tmp_path / "advised" / shard)
+    b = json.loads((fs / "advised" / COMPLETE_MARKER).read_text())["files"]
+    assert a == b and b[shard]["xxh3_128"] == xxh(fs / "advised" / shard)
 
 
 @pytest.mark.parametrize("backend", ["trtllm", "cutlass", "canonical"])
