@@ -3,8 +3,9 @@
 Reports both times, their ratio, the CPU time (user + system) of each process and the
 converter's peak RSS (all measured on child processes with ``os.wait4``). cp's CPU time leaves
 out the kernel's writeback threads, which write its data back during ``sync``; the converter
-starts the writeback of its own pages itself (``write.ShardWriter``), so that share is in its
-figure.
+writes its shards with O_DIRECT (``write.ShardWriter``: no page cache, no writeback), so the
+submission of its writes is in its own figure. ``--baseline`` runs another tree beside it, e.g.
+one that writes through the page cache.
 Usage: python benchmarks/bench_convert.py [--gb 4] [--dir bench-data] [--backend trtllm]
 """
 

@@ -184,7 +184,8 @@ class ShardTransform:
         """Unchanged bytes: written straight from the source mapping, checked (``check_nan``)
         and hashed in the sink's one pass over each piece.
 
-        Not copy_file_range (what cp does): with the writer's early writeback (ShardWriter), the
+        Not copy_file_range (what cp does): the writer's one pass copies each piece into its
+        direct-write buffer anyway (``write.ShardWriter``), and where it writes buffered the
         kernel copy ran ~1 s slower over 4.33 GB than writes from the mapping (BENCHMARKS.md).
         """
         reader = self.reader(info)

@@ -179,9 +179,10 @@ def convert_cmd(
         int,
         typer.Option(
             "--workers",
-            help="Shards converted in parallel on this machine. Each worker's writer already "
-            "keeps one core busy copying into the page cache, so more workers help only with "
-            "cores and disk bandwidth to spare (not on 2 cores: BENCHMARKS.md).",
+            help="Shards converted in parallel on this machine. One worker's writes already "
+            "keep a disk busy (O_DIRECT), so more workers help only with cores and disk "
+            "bandwidth to spare (on 2 cores: faster in most runs, slower in some; "
+            "BENCHMARKS.md).",
         ),
     ] = 1,
     max_memory: Annotated[
