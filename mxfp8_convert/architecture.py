@@ -294,6 +294,8 @@ def _model_class(transformers, config: dict, cfg):
 
 #: version of the cache files' contents; bump it when they change
 CACHE_FORMAT = 1
+#: set to anything but ``0`` to neither read nor write the cache (the architecture is built)
+NO_CACHE_ENV = "MXFP8_CONVERT_NO_CACHE"
 #: (tensor name, shape) of a checkpoint weight whose decision is asked for
 Query = tuple[str, tuple[int, ...]]
 
@@ -331,7 +333,10 @@ def decisions(config: dict | None, tensors: list[Query]) -> ModelArchitecture | 
     """``architecture(config)`` for deciding ``tensors``, through the cache: on a hit nothing
     is built (transformers is not imported); on a miss the architecture is built and, where it
     could be (``basis == "architecture"``), its decisions for ``tensors`` are cached. A cache
-    that cannot be read or written is passed over: the decisions are the same either way."""
+    that cannot be read or written is passed over: the decisions are the same either way.
+    ``MXFP8_CONVERT_NO_CACHE=1`` leaves the cache alone (nothing read, nothing written)."""
+    if os.environ.get(NO_CACHE_ENV, "") not in ("", "0"):
+        return architecture(config)
     key = _cache_key(config, tensors)
     if key is None:  # no config.json, or no transformers: nothing worth caching
         return architecture(config)

@@ -146,6 +146,22 @@ def test_an_unusable_cache_folder_is_passed_over(tmp_path, builds, monkeypatch):
     assert blocker.read_text() == ""
 
 
+@pytest.mark.parametrize("value", ["1", "yes"])
+def test_no_cache_reads_and_writes_nothing(tmp_path, builds, monkeypatch, value):
+    src = _llama(tmp_path)
+    first = _plan(src)  # cached
+    assert len(_entries()) == 1
+    entry = _entries()[0]
+    before = entry.read_bytes()
+    monkeypatch.setenv("MXFP8_CONVERT_NO_CACHE", value)
+    assert _plan(src) == first and _plan(src) == first
+    assert len(builds) == 3  # built every time, the entry not read
+    entry.unlink()
+    assert _plan(_llama(tmp_path / "other", hidden_act="gelu")) and _entries() == []
+    monkeypatch.setenv("MXFP8_CONVERT_NO_CACHE", "0")  # "0" means use it, as unset does
+    assert _plan(src) == first and len(builds) == 5 and _entries()[0].read_bytes() == before
+
+
 def test_the_cache_follows_xdg(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
     assert arch_mod.cache_root() == tmp_path / "c" / "mxfp8-convert"
