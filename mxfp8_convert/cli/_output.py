@@ -229,10 +229,8 @@ def dumps(doc) -> str:
         if not d:
             w("{}")
             return
-        if id(d) in markers:
-            raise ValueError("Circular reference detected")
-        markers[id(d)] = d
-        sep = "," + (indents[depth + 1] if depth + 1 < len(indents) else newline(depth + 1))
+        mark(d)
+        sep = "," + newline(depth + 1)
         w("{" + sep[1:])
         first = True
         for k, v in d.items():
@@ -263,10 +261,8 @@ def dumps(doc) -> str:
         if not a:
             w("[]")
             return
-        if id(a) in markers:
-            raise ValueError("Circular reference detected")
-        markers[id(a)] = a
-        sep = "," + (indents[depth + 1] if depth + 1 < len(indents) else newline(depth + 1))
+        mark(a)
+        sep = "," + newline(depth + 1)
         w("[" + sep[1:])
         first = True
         for v in a:
