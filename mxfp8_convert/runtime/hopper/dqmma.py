@@ -196,22 +196,15 @@ def _dqmma_kernel(
 
     rows = p0 + gl.arange(0, BN, layout=row_l)
     cols = m0 + gl.arange(0, BM, layout=col_l)
-    mask = gl.expand_dims(rows < N, 1) & gl.expand_dims(cols < M, 0)
-    if PARTIAL:  # physical row order (contiguous); reduce.py maps the rows (P32)
-        ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(rows, 1)
-        gl.store(ws_ptr + split.to(gl.int64) * stride_os + ws_off, acc, mask=mask)
-    else:
-        lrows = _p32_logical(rows) if LAYOUT == 1 else rows  # trtllm rows are P32-shuffled
-        if HAS_BIAS:
-            acc += gl.expand_dims(gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32), 1)
-        off = gl.expand_dims(cols.to(gl.int64), 0) * stride_om + gl.expand_dims(lrows, 1)
-        gl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+    _epilogue(acc, rows, cols, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
+              LAYOUT, HAS_BIAS, PARTIAL)
 
 
 @gluon.jit
-def _ws_epilogue(acc, rows, cols, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
+def _epilogue(acc, rows, cols, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
                  LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr):
-    """Store a ``[64, BM]`` accumulator of physical ``rows`` and token ``cols``."""
+    """Store an accumulator of physical weight ``rows`` and token ``cols`` (both kernels): fp32
+    partials in physical row order, or the output's logical columns with the bias."""
     mask = gl.expand_dims(rows < N, 1) & gl.expand_dims(cols < M, 0)
     if PARTIAL:  # physical row order (contiguous); reduce.py maps the rows (P32)
         ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(rows, 1)
@@ -288,7 +281,7 @@ def _ws_part(w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_pt
         acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
         rows = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
         cols = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
-        _ws_epilogue(acc, rows, cols, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
+        _epilogue(acc, rows, cols, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
                      LAYOUT, HAS_BIAS, PARTIAL)
 
 
