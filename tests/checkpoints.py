@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import hashlib
 import json
+import subprocess
+import tarfile
+from io import BytesIO
 from pathlib import Path
 
 import torch
@@ -12,6 +15,17 @@ from safetensors.torch import save_file
 
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.layouts import p32_unshuffle_rows, trtllm_scale_to_canonical, unswizzle_128x4
+
+REPO = Path(__file__).resolve().parent.parent
+
+
+def package_at(commit: str, out: Path) -> Path:
+    """Unpack the package as it was at ``commit`` into ``out`` (for ``PYTHONPATH``); ``out``."""
+    tar = subprocess.run(["git", "-C", str(REPO), "archive", commit, "mxfp8_convert"],
+                         check=True, capture_output=True).stdout
+    with tarfile.open(fileobj=BytesIO(tar)) as t:
+        t.extractall(out, filter="data")
+    return out
 
 
 def xxh(path: Path) -> str:

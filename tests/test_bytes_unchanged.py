@@ -16,18 +16,16 @@ import json
 import os
 import subprocess
 import sys
-import tarfile
 from dataclasses import replace
-from io import BytesIO
 from pathlib import Path
 
 import pytest
 
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.synth import ALL_DIALECTS, SynthSpec, write_checkpoint
+from tests.checkpoints import REPO, package_at
 
 REFERENCE_COMMIT = "313f817"  # main just before the single-pass writer and batched planning
-REPO = Path(__file__).resolve().parent.parent
 SPEC = SynthSpec(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=3,
                  extra_modules=(("self_attn.kv_a_proj_with_mqa", 576, 256),))
 MOE = replace(SPEC, experts=4, moe_intermediate=256, shared_expert=True)
@@ -39,12 +37,7 @@ ADDED_RECORD_KEYS = ("reason",)
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
     """The package at ``REFERENCE_COMMIT``, unpacked into a temporary folder."""
-    out = tmp_path_factory.mktemp("reference")
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", REFERENCE_COMMIT, "mxfp8_convert"],
-                         check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(tar)) as t:
-        t.extractall(out, filter="data")
-    return out
+    return package_at(REFERENCE_COMMIT, tmp_path_factory.mktemp("reference"))
 
 
 def _run(pythonpath: Path, src: Path, out: Path, *args: str) -> None:

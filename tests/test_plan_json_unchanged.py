@@ -12,18 +12,16 @@ import os
 import re
 import subprocess
 import sys
-import tarfile
 from dataclasses import replace
-from io import BytesIO
 from pathlib import Path
 
 import pytest
 
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.synth import ALL_DIALECTS, SynthSpec, write_checkpoint
+from tests.checkpoints import REPO, package_at
 
 REFERENCE_COMMIT = "da31712"  # main before the planning work of issue 25's planning rows
-REPO = Path(__file__).resolve().parent.parent
 SPEC = SynthSpec(layers=2, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=3)
 MOE = replace(SPEC, experts=4, moe_intermediate=256, shared_expert=True)
 #: runs CLI commands in one process and prints their exit codes and stdout as one JSON list
@@ -42,12 +40,7 @@ sys.stdout.write(json.dumps(out))
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory) -> Path:
-    out = tmp_path_factory.mktemp("reference")
-    tar = subprocess.run(["git", "-C", str(REPO), "archive", REFERENCE_COMMIT, "mxfp8_convert"],
-                         check=True, capture_output=True).stdout
-    with tarfile.open(fileobj=BytesIO(tar)) as t:
-        t.extractall(out, filter="data")
-    return out
+    return package_at(REFERENCE_COMMIT, tmp_path_factory.mktemp("reference"))
 
 
 def _documents(tree: Path, commands: list[list[str]], cwd: Path) -> list[tuple[int, str]]:
