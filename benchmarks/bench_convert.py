@@ -5,7 +5,10 @@ converter's peak RSS (all measured on child processes with ``os.wait4``). cp's C
 out the kernel's writeback threads, which write its data back during ``sync``; the converter
 writes its shards with O_DIRECT (``write.ShardWriter``: no page cache, no writeback), so the
 submission of its writes is in its own figure. ``--baseline`` runs another tree beside it, e.g.
-one that writes through the page cache.
+one that writes through the page cache. ``--timeline`` samples the disk that holds ``--dir``
+(``/proc/diskstats``, every 2 ms) while each process runs: when its first and last writes reach
+the disk, the write rate between them, how busy the disk was, how often its queue was empty,
+and the bytes read from it (a source served from the page cache reads none).
 Usage: python benchmarks/bench_convert.py [--gb 4] [--dir bench-data] [--backend trtllm]
 """
 
@@ -18,6 +21,7 @@ import shutil
 import statistics
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -29,40 +33,126 @@ SHAPES = [("mlp.down_proj", 16384, 32768), ("mlp.up_proj", 28672, 8192),
           ("self_attn.q_proj", 8192, 8192)]
 
 
-def timed(cmd: list[str]) -> tuple[float, float, int]:
-    """Wall time, CPU time (user + system) and peak RSS (bytes) of one child process."""
-    t = time.perf_counter()
+def _device(path: Path) -> str | None:
+    """The /proc/diskstats name of the block device (the whole disk) holding ``path``."""
+    dev = os.stat(path).st_dev
+    try:
+        sysfs = Path(f"/sys/dev/block/{os.major(dev)}:{os.minor(dev)}").resolve()
+    except OSError:
+        return None
+    if (sysfs / "partition").exists():
+        sysfs = sysfs.parent
+    return sysfs.name if sysfs.exists() else None
+
+
+def _diskstats(device: str) -> tuple[int, int, int, int]:
+    """Bytes read, bytes written, I/Os in flight and busy milliseconds of ``device``."""
+    with open("/proc/diskstats") as f:
+        for line in f:
+            x = line.split()
+            if x[2] == device:
+                return int(x[5]) * 512, int(x[9]) * 512, int(x[11]), int(x[12])
+    raise SystemExit(f"{device}: not in /proc/diskstats")
+
+
+class Timeline:
+    """/proc/diskstats of one device sampled every ``every`` seconds, from ``start()`` to
+    ``stop()``; ``summary()`` times its write phase relative to ``start()``. Whole-disk
+    counters: other processes' I/O on the same disk counts too."""
+
+    def __init__(self, device: str, every: float = 0.002) -> None:
+        self.device, self.every = device, every
+        self.samples: list[tuple[float, int, int, int, int]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            self.samples.append((time.perf_counter(), *_diskstats(self.device)))
+            time.sleep(self.every)
+
+    def start(self) -> float:
+        self.samples.append((time.perf_counter(), *_diskstats(self.device)))
+        self._thread.start()
+        return self.samples[0][0]
+
+    def stop(self) -> None:
+        time.sleep(5 * self.every)
+        self._stop.set()
+        self._thread.join()
+
+    def summary(self, t0: float, t_exit: float) -> dict:
+        """Seconds from ``t0`` to the first 16 MiB and the last MiB written on the disk; the
+        rate between them, the share of that time the disk was busy and of samples with no
+        I/O in flight; seconds from the last write to the process's exit; bytes read."""
+        s = self.samples
+        r0, w0 = s[0][1], s[0][2]
+        total = s[-1][2] - w0
+        if total < 32 << 20:
+            return {"written": total}
+        first = next(x for x in s if x[2] - w0 >= 16 << 20)
+        last = next(x for x in s if x[2] - w0 >= total - (1 << 20))
+        phase = [x for x in s if first[0] <= x[0] <= last[0]]
+        span = max(last[0] - first[0], 1e-9)
+        return {"first_write_s": round(first[0] - t0, 3), "last_write_s": round(last[0] - t0, 3),
+                "tail_s": round(t_exit - last[0], 3), "written": total,
+                "write_gb_per_s": round((last[2] - first[2]) / span / 1e9, 3),
+                "busy": round((last[4] - first[4]) / 1e3 / span, 3),
+                "queue_empty": round(sum(1 for x in phase if x[3] == 0) / len(phase), 3),
+                "read": s[-1][1] - r0}
+
+
+def timed(cmd: list[str], device: str | None = None) -> tuple[float, float, int, dict | None]:
+    """Wall time, CPU time (user + system), peak RSS (bytes) of one child process and, with
+    ``device``, its disk timeline (``Timeline.summary``)."""
+    timeline = Timeline(device) if device else None
+    t = timeline.start() if timeline else time.perf_counter()
     proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL)
     _, status, usage = os.wait4(proc.pid, 0)
-    dt = time.perf_counter() - t
+    t_exit = time.perf_counter()
+    dt = t_exit - t
+    if timeline:
+        timeline.stop()
     if os.waitstatus_to_exitcode(status):
         raise SystemExit(f"{cmd[0]} failed with exit code {os.waitstatus_to_exitcode(status)}")
-    return dt, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024  # KiB on Linux
+    line = timeline.summary(t, t_exit) if timeline else None
+    return dt, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, line  # KiB on Linux
 
 
-def against_cp(src: Path, dst: Path, contenders: dict[str, list[str]], repeat: int):
+def against_cp(src: Path, dst: Path, contenders: dict[str, list[str]], repeat: int,
+               device: str | None = None):
     """``cp -r src dst`` + ``sync`` and each contender (given ``-o dst``), interleaved
     ``repeat`` times, each from a synced, empty destination. Returns per name the lists of wall
-    and CPU seconds, and the peak RSS."""
+    and CPU seconds, the peak RSS and (with ``device``) the disk timelines; cp's timeline
+    covers ``sh -c 'cp -r ... && sync'``, one process."""
     wall: dict[str, list[float]] = {"cp -r + sync": []}
     cpu: dict[str, list[float]] = {"cp -r + sync": []}
     rss: dict[str, int] = {}
+    lines: dict[str, list] = {}
     for _ in range(repeat):
         shutil.rmtree(dst, ignore_errors=True)
         subprocess.run(["sync"], check=True)
-        t_cp, c_cp, _ = timed(["cp", "-r", str(src), str(dst)])
-        t_sync, c_sync, _ = timed(["sync"])
-        wall["cp -r + sync"].append(t_cp + t_sync)
-        cpu["cp -r + sync"].append(c_cp + c_sync)
+        if device:
+            t, c, _, line = timed(["sh", "-c", 'cp -r "$0" "$1" && sync', str(src), str(dst)],
+                                  device)
+            lines.setdefault("cp -r + sync", []).append(line)
+        else:
+            t_cp, c_cp, _, _ = timed(["cp", "-r", str(src), str(dst)])
+            t_sync, c_sync, _, _ = timed(["sync"])
+            t, c = t_cp + t_sync, c_cp + c_sync
+        wall["cp -r + sync"].append(t)
+        cpu["cp -r + sync"].append(c)
         for name, cmd in contenders.items():
             shutil.rmtree(dst, ignore_errors=True)
             subprocess.run(["sync"], check=True)
-            t, c, r = timed([*cmd, "-o", str(dst)])
+            t, c, r, line = timed([*cmd, "-o", str(dst)], device)
             wall.setdefault(name, []).append(t)
             cpu.setdefault(name, []).append(c)
             rss[name] = max(rss.get(name, 0), r)
+            if line is not None:
+                lines.setdefault(name, []).append(line)
     shutil.rmtree(dst, ignore_errors=True)
-    return wall, cpu, rss
+    return wall, cpu, rss, lines
 
 
 def make_source(root: Path, gb: float) -> Path:
@@ -110,6 +200,8 @@ def main() -> None:
                     help="also time --workers N (e.g. 1 2)")
     ap.add_argument("--baseline", help="also time the converter at this source tree (e.g. an older "
                     "commit's `git archive`), as 'NAME@baseline'")
+    ap.add_argument("--timeline", action="store_true",
+                    help="sample the disk holding --dir while each process runs (Timeline)")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "convert.json"))
     ap.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -135,17 +227,21 @@ def main() -> None:
             contenders[f"mxfp8-convert {backend}@baseline"] = [
                 "env", f"PYTHONPATH={Path(args.baseline).resolve()}", sys.executable, "-P", "-m",
                 "mxfp8_convert", str(src), "--backend", backend, "--quiet"]
-    results, cpu, rss = against_cp(src, base / "dst", contenders, args.repeat)
+    device = _device(base) if args.timeline else None
+    if args.timeline and device is None:
+        raise SystemExit(f"{base}: no block device found for --timeline")
+    results, cpu, rss, lines = against_cp(src, base / "dst", contenders, args.repeat, device)
 
     machine = banner()  # after the timings: importing torch must not inflate the children's RSS
     print(machine)
     shards = len(list(src.glob("*.safetensors")))
     print(f"source: {size / 1e9:.2f} GB in {shards} shards, largest tensor 512 MiB; "
           f"median of {args.repeat} interleaved runs")
-    report(results, cpu, rss, size, args, machine)
+    report(results, cpu, rss, size, args, machine, lines)
 
 
-def report(results: dict, cpu: dict, rss: dict, size: int, args, machine: str) -> None:
+def report(results: dict, cpu: dict, rss: dict, size: int, args, machine: str,
+           lines: dict | None = None) -> None:
     """Median per contender, the ratio to cp of every interleaved round (its spread) and the
     median CPU seconds per GB."""
     cp = results["cp -r + sync"]
@@ -160,8 +256,17 @@ def report(results: dict, cpu: dict, rss: dict, size: int, args, machine: str) -
         print(f"{name:36s} {t:7.2f} s  {size / t / 1e9:5.2f} GB/s  vs cp+sync {base_t / t:4.2f}x "
               f"(per round {min(ratios):.2f}-{max(ratios):.2f}x)  CPU {c:5.2f} s "
               f"({c / size * 1e9:.2f} s/GB){extra}  runs {runs}")
-        rows.append({"name": name, "seconds": ts, "cpu_seconds": cpu[name],
-                     "ratio_to_cp_per_round": ratios, "peak_rss": rss.get(name)})
+        row = {"name": name, "seconds": ts, "cpu_seconds": cpu[name],
+               "ratio_to_cp_per_round": ratios, "peak_rss": rss.get(name)}
+        if lines and name in lines:
+            row["timeline"] = lines[name]
+            for x in lines[name]:
+                if "write_gb_per_s" in x:
+                    print(f"    disk: first write {x['first_write_s']:.2f} s, last "
+                          f"{x['last_write_s']:.2f} s, exit +{x['tail_s']:.2f} s; "
+                          f"{x['write_gb_per_s']:.2f} GB/s between, busy {x['busy']:.0%}, "
+                          f"queue empty {x['queue_empty']:.0%}; read {x['read'] / 1e6:.0f} MB")
+        rows.append(row)
     Path(args.out).parent.mkdir(parents=True, exist_ok=True)
     Path(args.out).write_text(json.dumps({
         "date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()), "command": " ".join(sys.argv),
