@@ -45,6 +45,10 @@ from mxfp8_convert.format import PARTIAL_MANIFEST as MANIFEST_NAME
 #: piece is still in the CPU cache for each of them (256 KiB buffered writes ran 2-5x faster
 #: than 32 MiB ones on ext4 here); BENCHMARKS.md
 WRITE_PIECE = 256 << 10
+#: the same for direct writes, whose pieces are copied into a buffer rather than written one by
+#: one: 1 MiB pieces (still within the CPU's caches) take 4x fewer Python steps per byte, for
+#: 16-20 % less CPU per GB than 256 KiB ones (BENCHMARKS.md, issue 25 "timeline")
+DIRECT_PIECE = 1 << 20
 #: writes smaller than this are copied into one buffer and written together: a thread hand-off
 #: per small tensor cost ~0.2 ms, which dominated checkpoints of many small tensors
 COALESCE_BYTES = 1 << 20
@@ -212,7 +216,7 @@ class _Direct:
 
     def step(self, granule: int) -> int:
         """Bytes of the next piece: up to the current buffer's end (no copy across buffers)."""
-        return max(granule, min(WRITE_PIECE, self._room()) // granule * granule)
+        return max(granule, min(DIRECT_PIECE, self._room()) // granule * granule)
 
     def take(self, n: int) -> np.ndarray:
         """Where to lay out the next ``n`` bytes: in the buffer, where they fit."""
@@ -302,9 +306,10 @@ class ShardWriter:
     Tensors must be written in the order given, each exactly ``nbytes`` long; ``close()``
     checks that and returns ``(size, xxh3_128 hex)`` of the file.
 
-    Each queued chunk gets one pass on the writer thread, ``WRITE_PIECE`` bytes at a time while
-    the piece is in the CPU cache: the optional check (``scan``) and source hash, the layout
-    (``lay_out``, e.g. a row shuffle), the output hash, and the copy into the page-aligned
+    Each queued chunk gets one pass on the writer thread, a piece at a time while it is in the
+    CPU cache (``DIRECT_PIECE`` bytes, ``WRITE_PIECE`` where writes are buffered): the optional
+    check (``scan``) and source hash, the layout (``lay_out``, e.g. a row shuffle), the output
+    hash, and the copy into the page-aligned
     buffer that an I/O thread writes with O_DIRECT (``_Direct``; where the file system refuses
     O_DIRECT, a buffered write of the piece instead: ``_Buffered``). The caller reads and lays
     out the next chunk meanwhile; at most ``depth`` chunks wait, bounding memory. Small writes
@@ -327,6 +332,7 @@ class ShardWriter:
         self._written = 0  # bytes accepted
         self._writer = ThreadPoolExecutor(max_workers=1, thread_name_prefix="mxfp8-write")
         self._pending: deque = deque()
+        self._ordered = None  # the last queued job with a scan or a source hasher
         self._depth = depth
         self._small = bytearray()  # gathered small writes, not yet handed to the writer thread
         try:
@@ -393,6 +399,11 @@ class ShardWriter:
             raise OutputError(f"{self.path}: {mv.nbytes} bytes is not a multiple of the layout's "
                               f"{granule} (bug)")
         if mv.nbytes < COALESCE_BYTES:  # gathered: the caller's thread does the one pass
+            if (scan is not None or source is not None) and self._ordered is not None:
+                # after the queued pieces a scan or a hasher has seen (e.g. the last few rows of
+                # a tensor whose earlier chunks are queued): its bytes in their order
+                self._drain(0)
+                self._ordered = None
             if scan is not None:
                 scan(mv, 0)
             if source is not None:
@@ -408,6 +419,8 @@ class ShardWriter:
             return
         self._flush_small()
         job = self._writer.submit(self._one_pass, mv, scan, source, lay_out, granule)
+        if scan is not None or source is not None:
+            self._ordered = job
         self._enqueue(job, mv, data, release)
 
     def _flush_small(self) -> None:

@@ -225,3 +225,70 @@ def test_conversions_on_disk_and_on_ramfs_are_the_same_bytes(tmp_path, disk, mou
     assert got[w].view(torch.uint8).numpy().tobytes() == (
         shuffled if backend == "trtllm" else want[w].view(torch.uint8).numpy().tobytes())
     assert leftovers(tmp_path) == [] and leftovers(disk) == []
+
+
+def _write_scanned(path, tensors, chunk: int = 3 << 20, nan_at: list | None = None):
+    """``_write`` with a scan and a source hash per tensor: returns, per tensor, the (offset,
+    length) of every piece the scan saw and the source hash's digest. ``nan_at`` (a list)
+    makes the scan refuse 0x7F/0xFF bytes, noting the tensor offset of the first one."""
+    from mxfp8_convert.read import find_bytes
+
+    w = ShardWriter(path, [(n, "U8", (len(b),), len(b)) for n, b, _ in tensors], {"k": "v"})
+    seen: dict[str, list] = {}
+    digests: dict[str, str] = {}
+    try:
+        for name, b, row in tensors:
+            granule = 32 * row if row else 1
+            step = max(granule, chunk // granule * granule)
+            source = xxhash.xxh3_64()
+            for at in range(0, len(b), step):
+                def scan(piece, off, base=at, name=name):
+                    seen.setdefault(name, []).append((base + off, piece.nbytes))
+                    if nan_at is not None and (hit := find_bytes(piece, b"\x7f\xff")) >= 0:
+                        nan_at.append(base + off + hit)
+                        raise ValueError(f"{name}: NaN")
+                w.write(memoryview(b)[at:at + step], scan=scan, source=source,
+                        lay_out=p32_rows(row) if row else None, granule=granule)
+            w._drain(0)  # the writer thread has hashed this tensor
+            digests[name] = source.hexdigest()
+        return seen, digests, w.close()
+    except BaseException:
+        w.abort()
+        raise
+
+
+def test_direct_pieces_cover_every_byte_once_in_order(disk):
+    """With the real 8 MiB buffers, each tensor's bytes reach the scan and the source hash
+    once each, in order, in pieces of up to ``DIRECT_PIECE`` (larger than the buffered
+    path's ``WRITE_PIECE``) cut at whole 32-row blocks; the file is the header and the
+    tensors as built by hand, P32 rows shuffled. A tensor's last write under
+    ``COALESCE_BYTES`` (9 MiB + 3 bytes in 3 MiB writes) is scanned and hashed after the
+    queued chunks before it, not ahead of them: its source digest is the bytes' xxh3_64."""
+    tensors = _tensors(4, [(32 * 8192 * 40, 8192), (9 * 2**20 + 3, None), (2 * 2**20, None),
+                           (32 * 96 * 700, 96)])
+    seen, digests, (size, digest) = _write_scanned(disk / "a.safetensors", tensors)
+    _check(disk / "a.safetensors", tensors, size, digest)
+    for name, b, row in tensors:
+        pieces = seen[name]
+        ends = [0] + [at + n for at, n in pieces]
+        assert [at for at, _ in pieces] == ends[:-1] and ends[-1] == len(b), name
+        if row:
+            assert all(n % (32 * row) == 0 for _, n in pieces), name
+        assert max(n for _, n in pieces) <= write_mod.DIRECT_PIECE
+        assert digests[name] == xxhash.xxh3_64(b).hexdigest(), name
+    assert max(n for p in seen.values() for _, n in p) > write_mod.WRITE_PIECE
+
+
+def test_the_first_nan_is_found_whatever_the_pieces_and_no_file_is_left(disk):
+    """Two NaN bytes in one tensor, the first 1 MiB + 7 bytes in (0xFF), the other further on
+    (0x7F) within the same direct-write buffer: the scan refuses the first one, and the
+    half-written file is removed."""
+    g = np.random.default_rng(5)
+    raw = bytearray(g.integers(0, 0x7f, 5 * 2**20, dtype=np.uint8).tobytes())  # no NaN byte
+    raw[2**20 + 7], raw[2**20 + 300_000] = 0xFF, 0x7F
+    path = disk / "a.safetensors"
+    found: list = []
+    with pytest.raises(ValueError, match="t0: NaN"):
+        _write_scanned(path, [("t0", bytes(raw), None)], chunk=4 << 20, nan_at=found)
+    assert found == [2**20 + 7]
+    assert not path.exists()
