@@ -9,7 +9,8 @@ file already written (no block allocation at all: what the disk takes once block
 Then the writer itself (``write.ShardWriter``, the converter's one pass:
 scan, source hash, layout, output hash, write) on the shard's bytes, kept as they are
 (cutlass) and P32-shuffled (trtllm), both ways it writes: O_DIRECT from page-aligned buffers
-(its default) and buffered with writeback advice (what it does where O_DIRECT is refused).
+(its default; also in the 256 KiB pieces of the buffered path) and buffered with writeback
+advice (what it does where O_DIRECT is refused).
 Each output is fsynced and removed; all in one process, passes interleaved over ``--rounds``.
 Usage: python benchmarks/bench_passes.py SHARD [--out DIR] [--rounds 2] [--json FILE]
 """
@@ -92,17 +93,19 @@ def copy_range(src: Path, out: Path) -> None:
         os.close(fd)
 
 
-def writer(shuffle: bool, direct_io: bool):
+def writer(shuffle: bool, direct_io: bool, piece: int | None = None):
     """The converter's writer over the shard's bytes as one tensor, in 32 MiB chunks from the
-    mapping: checked, hashed, shuffled (``shuffle``) and written, then fsynced."""
+    mapping: checked, hashed, shuffled (``shuffle``) and written, then fsynced; ``piece``:
+    bytes per step of its pass over direct writes instead of ``write.DIRECT_PIECE``."""
     def run(src: Path, out: Path) -> None:
         mm = _mapped(src)
         granule = 32 * ROW if shuffle else 1
         n = len(mm) // (32 * ROW) * (32 * ROW)
         chunk = CHUNK_BYTES // granule * granule
         source = xxhash.xxh3_64()
-        saved = write._O_DIRECT
+        saved, saved_piece = write._O_DIRECT, write.DIRECT_PIECE
         write._O_DIRECT = saved if direct_io else 0  # as on a file system that refuses it
+        write.DIRECT_PIECE = piece or saved_piece
         try:
             w = write.ShardWriter(out, [("w", "U8", (n,), n)], {})
             assert w.direct == direct_io, "O_DIRECT refused here: run on a disk file system"
@@ -112,7 +115,7 @@ def writer(shuffle: bool, direct_io: bool):
                         lay_out=p32_rows(ROW) if shuffle else None, granule=granule)
             w.close()
         finally:
-            write._O_DIRECT = saved
+            write._O_DIRECT, write.DIRECT_PIECE = saved, saved_piece
         write.fsync_paths([out])
         mm.close()
     return run
@@ -127,8 +130,10 @@ PASSES = {"first touch + scan": scan, "scan + xxh3_64 + xxh3_128": scan_and_hash
           "O_DIRECT 32 MiB, 1 thread": direct(1, 32 << 20),
           "writer, copy, buffered": writer(False, False),
           "writer, copy, O_DIRECT": writer(False, True),
+          "writer, copy, O_DIRECT, 256 KiB pieces": writer(False, True, 256 << 10),
           "writer, P32, buffered": writer(True, False),
-          "writer, P32, O_DIRECT": writer(True, True)}
+          "writer, P32, O_DIRECT": writer(True, True),
+          "writer, P32, O_DIRECT, 256 KiB pieces": writer(True, True, 256 << 10)}
 
 
 def main() -> None:
