@@ -14,6 +14,7 @@ a float64 reference (both layouts, bias, split-K) and exits non-zero on a mismat
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
@@ -196,6 +197,78 @@ def check() -> bool:
     return ok
 
 
+PDL_VARIANTS = ("off", "chain")
+
+
+def pdl_variant(cfg: GemmConfig, variant: str) -> GemmConfig:
+    """The rule's dqmma config without PDL (``off``), or as a chain of programmatic dependent
+    launches (``chain``: quantization, kernel with the weight's first tiles before its wait,
+    reduction, each releasing the next at its start)."""
+    on = variant != "off"
+    return dataclasses.replace(cfg, pdl=on, prefetch=on, red_release=on and cfg.split_k > 1)
+
+
+def pdl_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> None:
+    """Every row where the rule takes dqmma (trtllm): the rule's config in each of
+    :data:`PDL_VARIANTS`, timed side by side with bf16, each checked against the float64
+    reference (written to ``sweep_pdl.json``)."""
+    from mxfp8_convert.runtime.hopper.probe import device_facts
+    from mxfp8_convert.runtime.hopper.rules import choose_config
+
+    facts = device_facts(torch.device("cuda"))
+    rows = []
+    for name, n, k in shapes:
+        if time.time() - t0 > budget:
+            print("budget spent", flush=True)
+            break
+        todo = [m for m in ms if choose_config(m, n, k, facts).kind is Kernel.DQMMA]
+        if not todo:
+            continue
+        w, q, code = random_weight(n, k, "trtllm")
+        wbf = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in todo:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            cb = n_copies(n * k * 2 + m * k * 2, m * n * 2)
+            wbs = [wbf.clone() for _ in range(cb)]
+            xs = [x.clone() for _ in range(cb)]
+            t_bf = time_graph(
+                lambda i, xs=xs, wbs=wbs: lambda: torch.nn.functional.linear(xs[i], wbs[i]), cb
+            )
+            del wbs
+            cm = n_copies(n * k + n * k // 32 + m * k * 2, m * n * 2)
+            ws = [MXFP8Weight(w.data.clone(), w.scale.clone(), w.layout) for _ in range(cm)]
+            xs = [x.clone() for _ in range(cm)]
+            rule = choose_config(m, n, k, facts)
+            row = {"shape": name, "m": m, "n": n, "k": k, "bf16_ms": t_bf,
+                   "config": rule.to_dict(), "variants": {}}
+            for v in PDL_VARIANTS:
+                cfg = pdl_variant(rule, v)
+                t = time_graph(lambda i, c=cfg, xs=xs, ws=ws: (
+                    lambda: triton_linear(xs[i], ws[i], config=c)), cm)
+                o = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                triton_linear(x, w, out=o, config=cfg)
+                row["variants"][v] = {"ms": t, "ratio": t_bf / t, "rel_err": rel_err(o, x, q, code),
+                                      "unwritten": int(o.isnan().sum())}
+            del ws, xs
+            rows.append(row)
+            progs = cdiv(n, rule.block_n) * cdiv(m, rule.block_m) * rule.split_k
+            cols = [f"{v} {r['ms'] * 1e3:6.1f} x{r['ratio']:.2f}"
+                    + (" BAD" if r["rel_err"] > 1e-2 or r["unwritten"] else "")
+                    for v, r in row["variants"].items()]
+            print(f"{name:32s} M={m:4d} progs {progs:4d} bf16 {t_bf * 1e3:6.1f} us  "
+                  + "  ".join(cols), flush=True)
+        del w, wbf
+        torch.cuda.empty_cache()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep_pdl.json").write_text(json.dumps(rows, indent=1))
+    for m in ms:
+        for v in PDL_VARIANTS:
+            r = [row["variants"][v]["ratio"] for row in rows if row["m"] == m]
+            if r:
+                print(f"M={m:4d} {v:10s} min {min(r):.2f} median {median(r):.2f} "
+                      f"max {max(r):.2f} ({len(r)} rows)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="32,64,128,256,512,2048")
@@ -203,6 +276,8 @@ def main() -> int:
     ap.add_argument("--out", default=os.environ.get("OUT", "."))
     ap.add_argument("--check", action="store_true")
     ap.add_argument("--budget", type=float, default=400.0)
+    ap.add_argument("--pdl", action="store_true",
+                    help="only the rule's dqmma rows, without PDL and as two PDL chains")
     ap.add_argument("--narrow", action="store_true",
                     help="only the rule, the one-chain rule and the specialized tiles")
     a = ap.parse_args()
@@ -213,6 +288,9 @@ def main() -> int:
     ms = [int(v) for v in a.ms.split(",")]
     pats = a.shapes.split(",") if a.shapes else []
     shapes = [s for s in MODEL_SHAPES if not pats or any(p in s[0] for p in pats)]
+    if a.pdl:
+        pdl_sweep(ms, shapes, Path(a.out), t0, a.budget)
+        return 0
     rows = []
     from mxfp8_convert.runtime.hopper.probe import device_facts
 

@@ -453,7 +453,8 @@ def test_a_refused_cluster_launch_falls_back_to_global_memory(monkeypatch):
 
 
 def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool,
-                fast: bool = True, specialized: bool = False) -> tuple[str, int]:
+                fast: bool = True, specialized: bool = False, pdl: bool = False,
+                prefetch: bool = False) -> tuple[str, int]:
     """SASS and shared-memory bytes of the dequantizing wgmma kernel compiled for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
@@ -473,7 +474,7 @@ def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool,
            "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
            "stride_om": "i32", "stride_os": "i32", "scale_cp4": "i32", "split_k": "i32"}
     const = {"LAYOUT": dqmma.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": partial,
-             "STAGES": stages, "FAST": fast}
+             "STAGES": stages, "FAST": fast, "PDL": pdl, "PREFETCH": prefetch}
     fn, options = dqmma._dqmma_kernel, {"num_warps": block_n // 16}
     if specialized:
         cons = block_n // 64
@@ -488,7 +489,8 @@ def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool,
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                        f"mxfp8_dqmma_{os.getpid()}_{block_n}_{bm}_{stages}_{layout}.cubin")
+                        f"mxfp8_dqmma_{os.getpid()}_{block_n}_{bm}_{stages}_{layout}_{pdl}"
+                        f"_{prefetch}.cubin")
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
     try:
@@ -561,3 +563,42 @@ def test_specialized_dqmma_has_no_cta_barrier_in_its_k_loop(block_n, bm, stages,
                         for t in bars), bars
     assert not [t for t in in_loops if re.search(r"\b(STL|LDL)\b", t)]
     assert shared <= 227 * 1024
+
+
+@pytest.mark.parametrize("specialized", [False, True], ids=["one-chain", "specialized"])
+@pytest.mark.parametrize("prefetch", [False, True], ids=["strict", "weight-first"])
+def test_dqmma_pdl_reads_the_activations_only_after_the_wait(specialized, prefetch):
+    """The dqmma kernel as a programmatic dependent of the quantization kernel that writes its
+    activations (issue 26). Per partition (the specialized kernel's code is split by its
+    ``setmaxnreg``: consumers, then the producer warp): with ``PREFETCH`` off (``MXFP8_PDL=strict``)
+    every partition waits (``griddepcontrol.wait``: ACQBULK) before any global-memory access;
+    with it, the only TMA loads before the wait are the weight's (the one-chain kernel's prologue:
+    one box per stage but the last; the producer: two 64-row boxes per stage), beside the scale
+    words' loads, nothing is stored before it, and the activations' boxes come after it. The
+    next kernel (the split-K reduction) is released after the wait (PREEXIT); without PDL neither
+    instruction is there."""
+    block_n, bm, stages = (128, 128, 4) if specialized else (64, 64, 3)
+    sass, _ = _dqmma_sass(block_n, bm, stages, "trtllm", True, specialized=specialized,
+                          pdl=True, prefetch=prefetch)
+    ins = [t for _, t in _instructions(sass)]
+    cuts = [i for i, t in enumerate(ins) if "USETMAXREG" in t] if specialized else []
+    parts = [ins[a:b] for a, b in zip([0, *cuts], [*cuts, len(ins)], strict=True)]
+    glob = re.compile(r"\b(LDG|STG|ATOM|ATOMG|RED|UTMALDG)\b")
+    parts = [p for p in parts if any(glob.search(t) for t in p)]
+    assert len(parts) == (3 if specialized else 1)
+    for p in parts:
+        wait = next((i for i, t in enumerate(p) if t.startswith("ACQBULK")), len(p))
+        before, after = p[:wait], p[wait:]
+        if not prefetch:
+            assert wait < len(p) and not [t for t in before if glob.search(t)]
+        if wait < len(p):
+            assert not [t for t in before if re.search(r"\b(STG|ATOM|ATOMG|RED)\b", t)]
+            assert any(t.startswith("PREEXIT") for t in after)
+            if prefetch:
+                tma = [t for t in before if "UTMALDG" in t]
+                assert len(tma) == (2 * stages if specialized else stages - 1), tma
+                assert any("UTMALDG" in t for t in after)  # the activation boxes
+    if prefetch and specialized:  # only the producer waits; the consumers need its loads
+        assert sum(any(t.startswith("ACQBULK") for t in p) for p in parts) == 1
+    plain, _ = _dqmma_sass(block_n, bm, stages, "trtllm", True, specialized=specialized)
+    assert "ACQBULK" not in plain and "PREEXIT" not in plain

@@ -167,7 +167,10 @@ def test_cpu_facts():
 #   split min(ceil(132 / tiles), K-tiles, 16), no empty split, a second kernel sums them, PDL.
 SERVING = [
     # (M, N, K, kind, block_n, block_m, split_k)
-    (32, 4096, 4096, "wgmma", 128, 16, 5),  # 32 tiles: ceil(132/32) = 5; 32 K-tiles: 7,7,7,7,4
+    # the FP8 kernel: ceil(132 / tiles) splits, at most 16 and at most 132 programs (one an SM)
+    (32, 4096, 4096, "wgmma", 128, 16, 4),  # 32 tiles: 5 -> 132 // 32 = 4; 32 K-tiles: 8 each
+    (32, 7168, 2048, "wgmma", 128, 16, 2),  # 56 tiles: 3 -> 132 // 56 = 2 (112 programs)
+    (32, 2560, 4096, "wgmma", 128, 16, 6),  # 20 tiles: 7 -> 6; 32 K-tiles: 6,6,6,6,6,2
     (17, 1024, 4096, "wgmma", 128, 16, 16),  # 8 tiles: ceil(132/8) = 17 -> 16 (at most 16)
     (32, 576, 7168, "wgmma", 128, 16, 14),  # 5 tiles: 27 -> 16 -> 56 K-tiles by 4: 14 splits
     (32, 14336, 4096, "dqmma", 64, 32, 1),  # 224 64-row tiles fill the SMs: dqmma, unsplit
@@ -200,6 +203,32 @@ def test_serving_rule_on_an_h200(m, n, k, kind, block_n, block_m, split):
     if kind == "dqmma":
         assert cfg.num_warps == 4 and cfg.num_stages == 3 and cfg.block_k == 128
         assert not cfg.specialized
+        # quantization, kernel and reduction as a PDL chain below 32 M weight elements, the
+        # weight's first tiles early
+        assert cfg.pdl == cfg.prefetch == (n * k < 32_000_000)
+        assert cfg.red_release == (cfg.pdl and split > 1)
+
+
+@pytest.mark.parametrize("device,pdl,prefetch", [
+    ("h200-pdl-strict", True, False), ("h200-pdl-off", False, False)])
+@pytest.mark.parametrize("m,n,k", [(64, 4096, 4096), (128, 1024, 4096), (32, 32768, 512)])
+def test_dqmma_launch_follows_the_pdl_mode(device, pdl, prefetch, m, n, k):
+    """``MXFP8_PDL=strict``: the dqmma chain under PDL with nothing loaded before the waits;
+    ``MXFP8_PDL=0``: no PDL."""
+    cfg = choose_config(m, n, k, FACTS[device])
+    assert cfg.kind is Kernel.DQMMA
+    assert (cfg.pdl, cfg.prefetch, cfg.red_release) == (pdl, prefetch, pdl and cfg.split_k > 1)
+
+
+@pytest.mark.parametrize("m,n,k,specialized", [
+    (32, 7168, 16384, False), (64, 14336, 4096, False), (128, 7168, 16384, True),
+    (512, 18432, 7168, True), (128, 4864, 6144, False)])
+def test_dqmma_on_large_weights_runs_without_pdl(m, n, k, specialized):
+    """From 32 M weight elements (DeepSeek o_proj 117 M, Llama gate_up 59 M, 29.9 M is below)
+    the dqmma path runs without PDL, where it was slower (TUNED.dqmma_pdl_max_weight)."""
+    cfg = choose_config(m, n, k, FACTS["h200"])
+    assert cfg.kind is Kernel.DQMMA and cfg.specialized == specialized
+    assert (cfg.pdl, cfg.prefetch) == ((n * k < 32_000_000),) * 2
 
 
 # The warp-specialized dqmma (TUNED.ws_*): 128-row programs of 128 tokens (ring of 4) at

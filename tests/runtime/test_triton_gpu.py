@@ -512,10 +512,12 @@ def test_dqmma_configs_agree(layout, n, m):
     order, summed by the reduction kernel, which adds the bias), N tails (544 = 8.5 x 64), the
     physical-to-logical row mapping (trtllm); the kernel as one warpgroup chain and
     warp-specialized (a TMA producer warp, one or two consumer warpgroups on mbarrier rings);
-    each config twice, the same bits both times. The activations span 2^-10..2^10 across K and
-    the weight codes vary per 32-block, so a scale applied to the wrong block, row or K-tile
-    fails the 1e-2 bound. Each row's MMAs run in the same K order in every variant, so for one
-    tile width and split all of them give the same bits."""
+    with and without the chain of programmatic dependent launches (quantization, kernel with
+    the weight's first tiles before its wait, reduction); each config twice, the same bits both
+    times. The activations span 2^-10..2^10 across K and the weight codes vary per 32-block, so
+    a scale applied to the wrong block, row or K-tile fails the 1e-2 bound. Each row's MMAs run
+    in the same K order in every variant, so for one tile width and split all of them give the
+    same bits."""
     tri = _triton()
     if torch.cuda.get_device_capability()[0] != 9 or _gluon() is None:
         pytest.skip("needs Hopper and Triton's Gluon")
@@ -531,10 +533,12 @@ def test_dqmma_configs_agree(layout, n, m):
         for spec in (False, True):
             for bn in (64, 128):
                 for bm, stages in ((32, 4), (64, 3), (128, 3), (256, 2)):
-                    for split in (1, 7):
+                    for split, pdl in ((1, False), (7, False), *(
+                            ((1, True), (7, True)) if bm in (32, 128) else ())):
                         cfg = tri.dqmma_config(m, n, k, facts, block_n=bn, block_m=bm,
                                                stages=stages, specialized=spec)
-                        cfg = dataclasses.replace(cfg, split_k=split)
+                        cfg = dataclasses.replace(cfg, split_k=split, pdl=pdl, prefetch=pdl,
+                                                  red_release=pdl and split > 1)
                         out = _check_twice(tri, x, w, b, r, cfg)
                         by_split.setdefault((bm, split), []).append(out)
         for outs in by_split.values():  # every variant of a tile shape: each row's bits alike

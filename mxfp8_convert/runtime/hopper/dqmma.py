@@ -53,7 +53,7 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.runtime.hopper.config import cdiv
 from mxfp8_convert.runtime.hopper.jit import _p32_logical, _pow2_f32, _scale_row_base
-from mxfp8_convert.runtime.hopper.wgmma import LAYOUT_CODE, _tma_load
+from mxfp8_convert.runtime.hopper.wgmma import LAYOUT_CODE, _gdc_wait_and_release, _tma_load
 from mxfp8_convert.runtime.weight import MXFP8Weight
 
 BLOCK_K = 128  # K per pipeline stage: four 32-blocks, one 128x4 scale word per row
@@ -65,12 +65,25 @@ WS_CONS_REGS = {1: 0, 2: 232}
 
 
 @gluon.jit
-def _issue(w_desc, x_desc, w_s, x_s, bar, stage, p0, m0, k0, pred):
-    """TMA loads of one K-tile: ``[BN, 128]`` weight bytes and two ``[BM, 64]`` activation boxes."""
+def _issue_w(w_desc, x_desc, w_s, bar, stage, p0, k0, pred):
+    """The weight half of one K-tile's TMA loads: the stage's barrier expects the whole tile (its
+    ``[BN, 128]`` weight bytes and two ``[BM, 64]`` activation boxes), the weight box goes out."""
     mbarrier.expect(bar, w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes, pred=pred)
     _tma_load(w_desc, [p0, k0], bar, w_s.index(stage), pred=pred)
+
+
+@gluon.jit
+def _issue_x(x_desc, x_s, bar, stage, m0, k0, pred):
+    """The activation half of one K-tile's TMA loads: two ``[BM, 64]`` boxes."""
     _tma_load(x_desc, [m0, k0], bar, x_s.index(2 * stage), pred=pred)
     _tma_load(x_desc, [m0, k0 + 64], bar, x_s.index(2 * stage + 1), pred=pred)
+
+
+@gluon.jit
+def _issue(w_desc, x_desc, w_s, x_s, bar, stage, p0, m0, k0, pred):
+    """TMA loads of one K-tile: ``[BN, 128]`` weight bytes and two ``[BM, 64]`` activation boxes."""
+    _issue_w(w_desc, x_desc, w_s, bar, stage, p0, k0, pred)
+    _issue_x(x_desc, x_s, bar, stage, m0, k0, pred)
 
 
 #: e4m3 -> bf16 by bit moves, two bytes (a row's K-neighbours) at a time, and the block scale
@@ -143,8 +156,10 @@ def _dqmma_kernel(
     w_desc, x_desc, s_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, stride_om, stride_os, scale_cp4, split_k,
     LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
-    FAST: gl.constexpr, num_warps: gl.constexpr,
+    FAST: gl.constexpr, PDL: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr,
 ):
+    if PDL and not PREFETCH:  # before any access to memory
+        _gdc_wait_and_release()
     BN: gl.constexpr = w_desc.block_type.shape[0]
     BM: gl.constexpr = x_desc.block_type.shape[0]
     acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[num_warps, 1],
@@ -171,12 +186,19 @@ def _dqmma_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.init(bars.index(s), count=1)
     for s in gl.static_range(STAGES - 1):
-        _issue(w_desc, x_desc, w_s, x_s, bars.index(s), s, p0, m0, (kt0 + s) * 128, s < n_it)
+        _issue_w(w_desc, x_desc, w_s, bars.index(s), s, p0, (kt0 + s) * 128, s < n_it)
+        if not PREFETCH:
+            _issue_x(x_desc, x_s, bars.index(s), s, m0, (kt0 + s) * 128, s < n_it)
 
     srows = p0 + gl.arange(0, BN, layout=srow_l)  # physical rows (< the 128-row padded scale rows)
     sw_ptrs = s_ptr + _scale_row_base(srows, 0, scale_cp4, LAYOUT)  # word of (row, scale col 0)
     sw_word = gl.load(sw_ptrs + kt0 * 128)  # scale words from DRAM: two K-tiles ahead
     sw_1 = gl.load(sw_ptrs + gl.minimum(kt0 + 1, last) * 128)
+    if PDL and PREFETCH:  # the weight's first tiles and scale words are on their way: now the
+        # activations, which the previous kernel (the quantization) writes
+        _gdc_wait_and_release()
+        for s in gl.static_range(STAGES - 1):
+            _issue_x(x_desc, x_s, bars.index(s), s, m0, (kt0 + s) * 128, s < n_it)
 
     acc = gl.zeros([BN, BM], gl.float32, acc_l)
     a = gl.zeros([BN, 32], gl.bfloat16, a_l)
@@ -241,12 +263,31 @@ def _ws_ktile(w_s, x_s, full, empty, acc, a, word, i, a_l: gl.constexpr, WG: gl.
 def _ws_part(w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M, N,
              stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split,
              LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
-             STAGES: gl.constexpr, FAST: gl.constexpr, CONS: gl.constexpr, ROLE: gl.constexpr):
+             STAGES: gl.constexpr, FAST: gl.constexpr, CONS: gl.constexpr, ROLE: gl.constexpr,
+             PDL: gl.constexpr, PREFETCH: gl.constexpr):
     """One partition of :func:`_dqmma_ws_kernel`: ``ROLE`` < ``CONS`` a consumer warpgroup (64
     weight rows), ``ROLE == CONS`` the producer warp."""
     if ROLE == CONS:  # producer: one warp, TMA loads into the ring, no CTA barrier
         nbytes: gl.constexpr = CONS * w_desc.block_type.nbytes + 2 * x_desc.block_type.nbytes
-        for i in range(n_it):
+        start = 0
+        if PDL:  # the first STAGES weight tiles before the wait (every stage is free), then the
+            # activations, which the previous kernel (the quantization) writes; the consumers
+            # read nothing that kernel writes before the activations, and store after them
+            if PREFETCH:
+                for s in gl.static_range(STAGES):
+                    mbarrier.expect(full.index(s), nbytes, pred=s < n_it)
+                    for c in gl.static_range(CONS):
+                        _tma_load(w_desc, [p0 + 64 * c, (kt0 + s) * 128], full.index(s),
+                                  w_s.index(s * CONS + c), pred=s < n_it)
+            _gdc_wait_and_release()
+            if PREFETCH:
+                for s in gl.static_range(STAGES):
+                    _tma_load(x_desc, [m0, (kt0 + s) * 128], full.index(s), x_s.index(2 * s),
+                              pred=s < n_it)
+                    _tma_load(x_desc, [m0, (kt0 + s) * 128 + 64], full.index(s),
+                              x_s.index(2 * s + 1), pred=s < n_it)
+                start = STAGES
+        for i in range(start, n_it):
             stage = i % STAGES
             mbarrier.wait(empty.index(stage), ((i // STAGES) & 1) ^ 1)
             bar = full.index(stage)
@@ -257,6 +298,8 @@ def _ws_part(w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_pt
             _tma_load(x_desc, [m0, k0], bar, x_s.index(2 * stage))
             _tma_load(x_desc, [m0, k0 + 64], bar, x_s.index(2 * stage + 1))
     else:
+        if PDL and not PREFETCH:  # (MXFP8_PDL=strict) not even the scale words before the wait
+            _gdc_wait_and_release()
         BM: gl.constexpr = x_desc.block_type.shape[0]
         acc_l: gl.constexpr = gl.NVMMADistributedLayout(version=[3, 0], warps_per_cta=[4, 1],
                                                         instr_shape=[16, BM, 16])
@@ -290,7 +333,8 @@ def _dqmma_ws_kernel(
     w_desc, x_desc, s_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, stride_om, stride_os, scale_cp4, split_k,
     LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
-    FAST: gl.constexpr, CONS: gl.constexpr, CONS_REGS: gl.constexpr, num_warps: gl.constexpr,
+    FAST: gl.constexpr, CONS: gl.constexpr, CONS_REGS: gl.constexpr, PDL: gl.constexpr,
+    PREFETCH: gl.constexpr, num_warps: gl.constexpr,
 ):
     """Warp-specialized :func:`_dqmma_kernel`: a ``[64 CONS, BM]`` tile of ``out^T`` per program,
     one producer warp issuing the TMA loads into a ring of ``STAGES`` stages (full / empty
@@ -319,22 +363,22 @@ def _dqmma_ws_kernel(
         gl.warp_specialize([
             (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
                         N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
-                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 0)),
+                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 0, PDL, PREFETCH)),
             (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
                         N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
-                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 1)),
+                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 1, PDL, PREFETCH)),
             (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
                         N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
-                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 2)),
+                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 2, PDL, PREFETCH)),
         ], [4, 1], [CONS_REGS, 24])
     else:
         gl.warp_specialize([
             (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
                         N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
-                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 0)),
+                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 0, PDL, PREFETCH)),
             (_ws_part, (w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_ptr, M,
                         N, stride_om, stride_os, scale_cp4, p0, m0, kt0, n_it, split, LAYOUT,
-                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 1)),
+                        HAS_BIAS, PARTIAL, STAGES, FAST, CONS, 1, PDL, PREFETCH)),
         ], [1], [24])
 
 
@@ -373,7 +417,8 @@ def fast_conversion(scale: torch.Tensor) -> bool:
 
 def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
           ws: torch.Tensor | None, *, split_k: int, block_n: int, block_m: int,
-          stages: int, specialized: bool = False, fast: bool | None = None) -> None:
+          stages: int, specialized: bool = False, fast: bool | None = None, pdl: bool = False,
+          prefetch: bool = False) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16) from ``xd [M, K]``, the exactly dequantized bf16
     MXFP8 activations (``quantize_activations(x)["deq"]``, 16-byte aligned rows); with ``split_k
     > 1`` fp32 partials go to ``ws [split_k, M, N]`` in the weight's physical row order, for the
@@ -381,7 +426,12 @@ def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out:
     (64 per warpgroup: 64, 128 or 256); ``block_m``: tokens per program (16..256, a power of
     two); ``stages``: TMA buffers in the ring. ``specialized``: :func:`_dqmma_ws_kernel` (a
     producer warp and ``block_n / 64`` consumer warpgroups; 64 or 128 rows). ``fast``: the bit
-    conversion (default: :func:`fast_conversion` of the weight's scale; False: the fp32 path)."""
+    conversion (default: :func:`fast_conversion` of the weight's scale; False: the fp32 path).
+    ``pdl``: launched as a programmatic dependent of the previous kernel in the stream (the
+    quantization that wrote ``xd``), which it waits for before reading the activations and
+    storing, releasing the next kernel (the reduction) at once; ``prefetch`` (with ``pdl``): the
+    weight's first tiles and scale words are loaded before the wait (the weight must not be
+    written by the previous kernels)."""
     m, k = xd.shape
     n = weight.shape[0]
     if block_n not in (64, 128, 256) or block_m not in (16, 32, 64, 128, 256):
@@ -410,12 +460,14 @@ def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out:
             out, ws if partial else out, m, n, k, out.stride(0), m * n, (k // 32 + 3) // 4,
             split_k, LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None,
             PARTIAL=partial, STAGES=stages, FAST=fast, CONS=cons, CONS_REGS=WS_CONS_REGS[cons],
-            num_warps=4, maxnreg=WS_MAXNREG[cons],
+            PDL=pdl, PREFETCH=prefetch and pdl, num_warps=4, maxnreg=WS_MAXNREG[cons],
+            **({"launch_pdl": True} if pdl else {}),
         )
         return
     _dqmma_kernel[(cdiv(n, block_n) * cdiv(m, block_m), split_k)](
         w_desc, x_desc, weight.scale.view(torch.int32), bias if bias is not None else out, out,
         ws if partial else out, m, n, k, out.stride(0), m * n, (k // 32 + 3) // 4, split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
-        STAGES=stages, FAST=fast, num_warps=block_n // 16,
+        STAGES=stages, FAST=fast, PDL=pdl, PREFETCH=prefetch and pdl, num_warps=block_n // 16,
+        **({"launch_pdl": True} if pdl else {}),
     )

@@ -70,7 +70,7 @@ def _check_device(t: torch.Tensor) -> None:
 
 def quantize_activations(
     x: torch.Tensor, *, dequantized: bool = True, codes: bool = False, block_m: int = 32,
-    block_k: int = 128, permuted: bool = False,
+    block_k: int = 128, permuted: bool = False, pdl: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Quantize ``x [M, K]`` to MXFP8 (FlashInfer's recipe) with one Triton kernel.
 
@@ -83,6 +83,9 @@ def quantize_activations(
         block_m, block_k: tile of one program.
         permuted: ``"deq"`` as float32 ``[M, 4, K/4]`` holding element ``k`` at ``(k % 4, k // 4)``
             (the order in which the GEMV kernel reads weight bytes from int32 words).
+        pdl: launched as a programmatic dependent of the previous kernel in the stream (it
+            waits for it before reading ``x``) that lets the next kernel launch at once (which
+            must wait likewise before reading the outputs).
 
     Returns:
         dict with the requested tensors.
@@ -101,7 +104,8 @@ def quantize_activations(
     grid = (cdiv(m, block_m), cdiv(k, block_k))
     _quantize_kernel[grid](x, deq, q, code, m, k, x.stride(0), WRITE_DEQ=dequantized,
                            WRITE_Q=codes, BLOCK_M=block_m, BLOCK_K=block_k, PERM_DEQ=permuted,
-                           num_warps=4)
+                           PDL=pdl, num_warps=4,
+                           **({"launch_pdl": True} if pdl else {}))
     if dequantized:
         out["deq"] = deq.view(m, 4, k // 4) if permuted else deq
     if codes:
@@ -446,19 +450,22 @@ def _launch_dqmma(
     cfg: GemmConfig,
 ) -> torch.Tensor:
     """Activations quantized (exactly dequantized bf16), the Gluon dequantizing wgmma kernel,
-    and the split-K reduction (partials in the weight's physical row order)."""
+    and the split-K reduction (partials in the weight's physical row order); with ``cfg.pdl``
+    the three as a chain of programmatic dependent launches (the GEMM's weight tiles and scale
+    words loaded before its wait where ``cfg.prefetch``)."""
     from mxfp8_convert.runtime.hopper import dqmma
 
     m, k = x.shape
-    xd = quantize_activations(x)["deq"]
+    xd = quantize_activations(x, pdl=cfg.pdl)["deq"]
     partial = cfg.split_k > 1
     ws = (torch.empty((cfg.split_k, m, weight.shape[0]), dtype=torch.float32, device=x.device)
           if partial else None)
     dqmma.dqmma(xd, weight, bias, out, ws, split_k=cfg.split_k, block_n=cfg.block_n,
-                block_m=cfg.block_m, stages=cfg.num_stages, specialized=cfg.specialized)
+                block_m=cfg.block_m, stages=cfg.num_stages, specialized=cfg.specialized,
+                pdl=cfg.pdl, prefetch=cfg.prefetch)
     if partial:
         has_bias = bias is not None
-        _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias,
+        _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl,
                        p32=weight.layout == "trtllm")
     return out
 

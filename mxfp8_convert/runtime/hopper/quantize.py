@@ -7,7 +7,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mxfp8_convert.runtime.hopper.jit import _e4m3_byte, _mx_fake_quant
+from mxfp8_convert.runtime.hopper.jit import (
+    _e4m3_byte,
+    _mx_fake_quant,
+    gdc_launch_dependents,
+    gdc_wait,
+)
 
 
 @triton.jit(do_not_specialize=["M"])
@@ -15,7 +20,12 @@ def _quantize_kernel(
     x_ptr, deq_ptr, q_ptr, code_ptr, M, K, stride_xm,
     WRITE_DEQ: tl.constexpr, WRITE_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PERM_DEQ: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # a programmatic dependent: ``x`` is complete and visible after the wait; the GEMM
+        # after this kernel may launch at once (it waits for this one before reading ``deq``)
+        gdc_wait()
+        gdc_launch_dependents()
     offs_m = tl.program_id(0) * BLOCK_M + tl.arange(0, BLOCK_M)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_m < M)[:, None] & (offs_k < K)[None, :]

@@ -128,6 +128,10 @@ class Tuning:
     # o_proj, MLP: x1.11-1.37 vs x0.88-1.02)
     serve_wgmma_max_m: int = 32
     serve_wgmma_waves: float = 1.0
+    # ... and no more programs than SMs: a 128-row program of 32 tokens takes ~152 registers a
+    # thread (one per SM), so one more split than that ran a second wave (Llama q_proj: 5 splits
+    # of 32 row tiles, 160 programs, x0.98)
+    serve_wgmma_per_sm: int = 1
     serve_dqmma_min_k: int = 12288
     # the warp-specialized dqmma (128-row programs of all M tokens up to 128, or 256, each
     # weight element dequantized once per 128 or 256 tokens), where the sweep of 2026-12-01
@@ -137,6 +141,12 @@ class Tuning:
     # MLP gate_up x0.73 vs 0.75). Elsewhere the one-warpgroup kernel's 64-row programs (up to
     # three a multiprocessor) were faster
     ws_min_k: int = 16384
+    # the dqmma path (quantization, kernel, reduction) as a PDL chain below this weight size
+    # (sweep_dqmma.py --pdl, M = 32..512): it hid launch latency on small weights (Qwen k_proj
+    # M = 64 7.7 vs 10.1 us, DeepSeek kv_b M = 32 10.2 vs 11.7, Qwen gate_up 16.6 vs 18.7) and
+    # slowed large ones at M <= 64 (DeepSeek o_proj M = 32 54.4 vs 46.0 us, Llama gate_up M = 64
+    # 37.6 vs 30.9)
+    dqmma_pdl_max_weight: int = 32_000_000
     ws_wide_min_k: int = 4096
     ws_wide_min_share: float = 0.75
 
@@ -451,11 +461,23 @@ def specialized_wins(m: int, n: int, k: int, facts: DeviceFacts) -> bool:
             and cdiv(n, 128) * cdiv(m, 256) >= t.ws_wide_min_share * facts.sms)
 
 
+def dqmma_launch(cfg: GemmConfig, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
+    """The dqmma path's launch options: where the device allows PDL and the weight has fewer
+    than ``dqmma_pdl_max_weight`` elements (:data:`TUNED`), the quantization, the kernel and the
+    split-K reduction as a chain of programmatic dependent launches, each releasing the next at
+    once; the kernel's first weight tiles and scale words before its wait (unless
+    ``weight_prefetch`` is off)."""
+    pdl = facts.pdl and n * k < TUNED.dqmma_pdl_max_weight
+    return dataclasses.replace(cfg, pdl=pdl, prefetch=pdl and facts.weight_prefetch,
+                               red_release=pdl and cfg.split_k > 1)
+
+
 def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
     """Serving batches on Hopper with Gluon, M = 17 .. ``dqmma_max_m``, K % 128 == 0 (else None):
     :func:`dqmma_config` (warp-specialized where :func:`specialized_wins`: 128-row programs of
     128 or 256 tokens); at M <= ``serve_wgmma_max_m`` the FP8 wgmma kernel instead (128-row
-    programs, split-K to ~``serve_wgmma_waves`` waves summed by a second kernel,
+    programs, split-K to ~``serve_wgmma_waves`` waves, at most ``serve_wgmma_per_sm`` programs
+    per SM, summed by a second kernel,
     :func:`launch_options`) unless the weight's 64-row tiles fill the SMs or K >=
     ``serve_dqmma_min_k``; above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` (None:
     cuBLAS) (:data:`TUNED`)."""
@@ -467,16 +489,18 @@ def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | Non
         return None
     if specialized_wins(m, n, k, facts):
         bm = 128 if m <= 128 else 256
-        return dqmma_config(m, n, k, facts, block_n=128, block_m=bm, specialized=True,
-                            stages=4 if bm == 128 else 2)
+        return dqmma_launch(dqmma_config(m, n, k, facts, block_n=128, block_m=bm,
+                                         specialized=True, stages=4 if bm == 128 else 2),
+                            n, k, facts)
     if (m <= t.serve_wgmma_max_m and cdiv(n, 64) < facts.sms
             and k < t.serve_dqmma_min_k):
+        per_sm = max(1, t.serve_wgmma_per_sm * facts.sms // cdiv(n, 128))
         cfg = wgmma_config(m, n, k, facts, waves=t.serve_wgmma_waves, fuse_quant=True,
-                           sw_ahead=2, max_split=t.wgmma_max_split, block_n=128,
+                           sw_ahead=2, max_split=min(t.wgmma_max_split, per_sm), block_n=128,
                            serial_reduce=False)
         return launch_options(dataclasses.replace(cfg, serial_reduce=cfg.split_k == 1), m,
                               facts)
-    return dqmma_config(m, n, k, facts)
+    return dqmma_launch(dqmma_config(m, n, k, facts), n, k, facts)
 
 
 #: The rules :func:`choose_config` asks, in order, below ``cublas_min_m``.
