@@ -106,6 +106,19 @@ def all_candidates(m: int, n: int, k: int, facts) -> list[GemmConfig]:
         from mxfp8_convert.runtime.hopper.rules import launch_options, wgmma_config
 
         seen = set()
+        # 128-row programs (one an SM) and 64-row ones (three an SM by registers): splits that
+        # make at most 1, 2 or 3 programs an SM, a second kernel summing
+        for bn, fits in ((128, (1,)), (64, (1, 2, 3))):
+            for per_sm in fits:
+                cap = max(1, per_sm * facts.sms // cdiv(n, bn))
+                c = wgmma_config(m, n, k, facts, waves=16, fuse_quant=True, sw_ahead=2,
+                                 max_split=min(16, cap), block_n=bn, serial_reduce=False)
+                c = launch_options(dataclasses.replace(c, serial_reduce=c.split_k == 1), m,
+                                   facts)
+                key = tuple(sorted(c.to_dict().items()))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(c)
         for bn in (64, 128):
             for waves in (1, 2, 3, 4):
                 for cl in (False, True):
@@ -135,7 +148,7 @@ def label(c: GemmConfig) -> str:
         return "cublas"
     if c.kind is Kernel.DQMMA:
         ws = "ws" if c.specialized else "dq"
-        return f"{ws}{c.block_n}x{c.block_m}/st{c.num_stages}/s{c.split_k}"
+        return f"{ws}{c.block_n}x{c.block_m}/st{c.num_stages}/s{c.split_k}{'+pdl' if c.pdl else ''}"
     red = "cl" if c.cluster else ("ser" if c.serial_reduce else "2k")
     return f"wg{c.block_n}/s{c.split_k}{red}{'+pdl' if c.pdl else ''}"
 
@@ -278,6 +291,8 @@ def main() -> int:
     ap.add_argument("--budget", type=float, default=400.0)
     ap.add_argument("--pdl", action="store_true",
                     help="only the rule's dqmma rows, without PDL and as two PDL chains")
+    ap.add_argument("--launch", action="store_true",
+                    help="dqmma candidates with the rule's launch options (PDL by weight size)")
     ap.add_argument("--narrow", action="store_true",
                     help="only the rule, the one-chain rule and the specialized tiles")
     a = ap.parse_args()
@@ -315,7 +330,13 @@ def main() -> int:
             ws = [MXFP8Weight(w.data.clone(), w.scale.clone(), w.layout) for _ in range(cm)]
             xs = [x.clone() for _ in range(cm)]
             res = []
-            for cfg in (candidates if a.narrow else all_candidates)(m, n, k, facts):
+            cands = (candidates if a.narrow else all_candidates)(m, n, k, facts)
+            if a.launch:
+                from mxfp8_convert.runtime.hopper.rules import dqmma_launch
+
+                cands = [dqmma_launch(c, n, k, facts) if c.kind is Kernel.DQMMA else c
+                         for c in cands]
+            for cfg in cands:
                 try:
                     t = time_graph(lambda i, c=cfg, xs=xs, ws=ws: (
                         lambda: triton_linear(xs[i], ws[i], config=c)), cm)

@@ -122,6 +122,11 @@ class Tuning:
     dqmma_wide_waves: float = 1.0
     dqmma_wide_unsplit_share: float = 0.5
     dqmma_min_split_tiles: int = 4
+    # up to M = 128 split-K also where the tiles fill the SMs but leave a short last wave (fewer
+    # than this many waves): Qwen gate_up M = 32, 152 tiles, 2 splits x1.05 vs unsplit x0.94
+    # (sweep_dqmma.py --launch, 2026-12-01); the next tile counts of the model shapes (224, 288)
+    # were as fast unsplit
+    dqmma_tail_waves: float = 1.25
     # M = 17 .. 32: the FP8 wgmma kernel (activations quantized inside, 128-row programs, a
     # second kernel sums ~1 wave of splits), except on weights whose 64-row tiles fill the SMs
     # or with K >= serve_dqmma_min_k, where dqmma was faster (Llama gate_up/down, DeepSeek q_b,
@@ -437,13 +442,14 @@ def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 6
     tokens per program (default: 32 up to M = 32, 64 up to M = 128, else 256), ``stages`` TMA
     buffers; split-K to ~``waves`` x SMs programs (default ``dqmma_waves`` up to M = 128, else
     ``dqmma_wide_waves``), at least ``dqmma_min_split_tiles`` K-tiles a split, none where the
-    tiles fill the SMs (above M = 128: ``dqmma_wide_unsplit_share`` of them) (:data:`TUNED`)."""
+    tiles fill ``dqmma_tail_waves`` waves (above M = 128: ``dqmma_wide_unsplit_share`` of the
+    SMs) (:data:`TUNED`)."""
     t = TUNED
     bm = block_m or (32 if m <= 32 else 64 if m <= 128 else 256)
     waves = waves or (t.dqmma_waves if m <= 128 else t.dqmma_wide_waves)
     tiles, k_tiles = cdiv(n, block_n) * cdiv(m, bm), k // WGMMA_BLOCK_K
     split = 1
-    if tiles < facts.sms * (1.0 if m <= 128 else t.dqmma_wide_unsplit_share):
+    if tiles < facts.sms * (t.dqmma_tail_waves if m <= 128 else t.dqmma_wide_unsplit_share):
         split = max(1, min(cdiv(int(waves * facts.sms), tiles),
                            k_tiles // t.dqmma_min_split_tiles))
     return GemmConfig(block_n, bm, WGMMA_BLOCK_K, Kernel.DQMMA,
