@@ -45,9 +45,9 @@ def stages_for(bm: int) -> list[int]:
 def splits_for(tiles: int, k_tiles: int, sms: int = 132) -> list[int]:
     out = {1}
     for w in (1, 2):
-        s = max(1, min(-(-w * sms // tiles), k_tiles // 2))
-        s = cdiv(k_tiles, cdiv(k_tiles, s))  # no empty split
-        out.add(s)
+        for s in (-(-w * sms // tiles), w * sms // tiles):  # up to / at most w waves
+            s = max(1, min(s, k_tiles // 2))
+            out.add(cdiv(k_tiles, cdiv(k_tiles, s)))  # no empty split
     return sorted(out)
 
 

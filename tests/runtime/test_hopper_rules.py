@@ -183,13 +183,14 @@ SERVING = [
     (64, 1024, 2560, "dqmma", 64, 64, 5),  # 16 tiles: 17 -> 20 K-tiles // 4 = 5: 4,4,4,4,4
     (100, 1024, 4096, "dqmma", 64, 64, 8),  # 16 x 2 tiles: ceil(264/32) = 9 -> 32 // 4 = 8
     (128, 24576, 1536, "dqmma", 64, 64, 1),  # 384 x 2 tiles
-    (256, 4096, 4096, "dqmma", 64, 256, 3),  # 64 tiles: ceil(132/64) = 3
-    (256, 2560, 4096, "dqmma", 64, 256, 4),  # 40 tiles: ceil(132/40) = 4
+    # 256-token programs fill an SM alone: at most 132 programs, 132 // tiles splits
+    (256, 4096, 4096, "dqmma", 64, 256, 2),  # 64 tiles: 132 // 64 = 2
+    (256, 2560, 4096, "dqmma", 64, 256, 3),  # 40 tiles: 132 // 40 = 3
     (512, 7168, 2048, "dqmma", 64, 256, 1),  # 112 x 2 = 224 tiles (K < 4096: one chain)
     (512, 4096, 2560, "dqmma", 64, 256, 1),  # 64 x 2 = 128 tiles >= 66
     (512, 1024, 4096, "cublas", 64, 0, 1),  # N < 4096 above M = 256
     (300, 4096, 4096, "dqmma", 64, 256, 1),  # 64 x 2 = 128 tiles >= 66
-    (200, 4096, 4096, "dqmma", 64, 256, 3),  # 64 tiles < 66: ceil(132/64) = 3
+    (200, 4096, 4096, "dqmma", 64, 256, 2),  # 64 tiles < 66: 132 // 64 = 2
     (512, 2560, 4096, "cublas", 64, 0, 1),  # N < 4096 above M = 256
     (600, 4096, 4096, "cublas", 64, 0, 1),  # above M = 512
 ]
@@ -239,8 +240,9 @@ def test_dqmma_on_large_weights_runs_without_pdl(m, n, k, specialized):
 # ceil(N / 128) * ceil(M / 256) >= 0.75 * 132 = 99 programs and K >= 4096; split-K as dqmma's.
 SPECIALIZED = [
     # (M, N, K, block_m, split_k, stages)
-    (128, 7168, 16384, 128, 5, 4),  # 56 tiles: ceil(264/56) = 5 (128 K-tiles: 26 a split)
-    (100, 7168, 18432, 128, 5, 4),  # 56 tiles: 5 (144 K-tiles: 29,29,29,29,28)
+    # one program an SM: at most 2 x 132 programs, 264 // 56 = 4 splits of 56 tiles
+    (128, 7168, 16384, 128, 4, 4),  # 128 K-tiles: 32 a split
+    (100, 7168, 18432, 128, 4, 4),  # 144 K-tiles: 36 a split
     (512, 7168, 16384, 256, 1, 2),  # 56 x 2 = 112 >= 99 programs: unsplit
     (300, 14336, 4096, 256, 1, 2),  # 112 x 2 = 224
 ]

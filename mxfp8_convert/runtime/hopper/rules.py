@@ -440,7 +440,8 @@ def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 6
                  specialized: bool = False) -> GemmConfig:
     """The dequantizing wgmma kernel (``dqmma.py``): ``block_n`` weight rows and ``block_m``
     tokens per program (default: 32 up to M = 32, 64 up to M = 128, else 256), ``stages`` TMA
-    buffers; split-K to ~``waves`` x SMs programs (default ``dqmma_waves`` up to M = 128, else
+    buffers; split-K to ~``waves`` x SMs programs (at most that many where one program fills an
+    SM: the specialized kernel, 256 tokens) (default ``dqmma_waves`` up to M = 128, else
     ``dqmma_wide_waves``), at least ``dqmma_min_split_tiles`` K-tiles a split, none where the
     tiles fill ``dqmma_tail_waves`` waves (above M = 128: ``dqmma_wide_unsplit_share`` of the
     SMs) (:data:`TUNED`)."""
@@ -450,7 +451,11 @@ def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 6
     tiles, k_tiles = cdiv(n, block_n) * cdiv(m, bm), k // WGMMA_BLOCK_K
     split = 1
     if tiles < facts.sms * (t.dqmma_tail_waves if m <= 128 else t.dqmma_wide_unsplit_share):
-        split = max(1, min(cdiv(int(waves * facts.sms), tiles),
+        target = int(waves * facts.sms)
+        # one program an SM (~200 KB of shared memory: the specialized kernel's ring, 256-token
+        # programs): no more programs than the waves hold; else up to three share an SM
+        alone = specialized or bm == 256
+        split = max(1, min(target // tiles if alone else cdiv(target, tiles),
                            k_tiles // t.dqmma_min_split_tiles))
     return GemmConfig(block_n, bm, WGMMA_BLOCK_K, Kernel.DQMMA,
                       split_k=no_empty_splits(k_tiles, split), fuse_quant=False,
