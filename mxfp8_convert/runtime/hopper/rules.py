@@ -127,6 +127,11 @@ class Tuning:
     # (sweep_dqmma.py --launch, 2026-12-01); the next tile counts of the model shapes (224, 288)
     # were as fast unsplit
     dqmma_tail_waves: float = 1.25
+    # M = 129..256: 128-token programs (two M tiles) on weights of at most this many rows, where
+    # 256-token ones leave most SMs idle or split K thin (sweep_dqmma.py --launch --ms 256,
+    # 2026-12-01: Llama k_proj x0.79 vs x0.63, Qwen k_proj x0.71 vs x0.62, DeepSeek kv_a x0.75 vs
+    # x0.55; N = 4096 as fast either way or slower)
+    dqmma_narrow_n: int = 1024
     # M = 17 .. 32: the FP8 wgmma kernel (activations quantized inside, 128-row programs, a
     # second kernel sums ~1 wave of splits), except on weights whose 64-row tiles fill the SMs
     # or with K >= serve_dqmma_min_k, where dqmma was faster (Llama gate_up/down, DeepSeek q_b,
@@ -439,22 +444,24 @@ def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 6
                  block_m: int = 0, stages: int = 3, waves: float = 0.0,
                  specialized: bool = False) -> GemmConfig:
     """The dequantizing wgmma kernel (``dqmma.py``): ``block_n`` weight rows and ``block_m``
-    tokens per program (default: 32 up to M = 32, 64 up to M = 128, else 256), ``stages`` TMA
+    tokens per program (default: 32 up to M = 32, 64 up to M = 128, 128 up to M = 256 where N <=
+    ``dqmma_narrow_n``, else 256), ``stages`` TMA
     buffers; split-K to ~``waves`` x SMs programs (at most that many where one program fills an
     SM: the specialized kernel, 256 tokens) (default ``dqmma_waves`` up to M = 128, else
     ``dqmma_wide_waves``), at least ``dqmma_min_split_tiles`` K-tiles a split, none where the
     tiles fill ``dqmma_tail_waves`` waves (above M = 128: ``dqmma_wide_unsplit_share`` of the
     SMs) (:data:`TUNED`)."""
     t = TUNED
-    bm = block_m or (32 if m <= 32 else 64 if m <= 128 else 256)
+    bm = block_m or (32 if m <= 32 else 64 if m <= 128 else
+                     128 if m <= 256 and n <= t.dqmma_narrow_n else 256)
     waves = waves or (t.dqmma_waves if m <= 128 else t.dqmma_wide_waves)
     tiles, k_tiles = cdiv(n, block_n) * cdiv(m, bm), k // WGMMA_BLOCK_K
     split = 1
     if tiles < facts.sms * (t.dqmma_tail_waves if m <= 128 else t.dqmma_wide_unsplit_share):
         target = int(waves * facts.sms)
-        # one program an SM (~200 KB of shared memory: the specialized kernel's ring, 256-token
-        # programs): no more programs than the waves hold; else up to three share an SM
-        alone = specialized or bm == 256
+        # one program an SM (the specialized kernel's ~200 KB ring; 128 or 256 tokens: 120 or
+        # 216 KB): no more programs than the waves hold; else up to three share an SM
+        alone = specialized or bm >= 128
         split = max(1, min(target // tiles if alone else cdiv(target, tiles),
                            k_tiles // t.dqmma_min_split_tiles))
     return GemmConfig(block_n, bm, WGMMA_BLOCK_K, Kernel.DQMMA,
