@@ -31,6 +31,12 @@ producer warp issues the TMA loads into an mbarrier ring and one or two consumer
 64 rows each run the dequantize / wgmma chain above on their own (the serving rule takes it on
 large weights above 64 tokens, with programs of 128 or 256 tokens).
 
+With ``PDL`` (the serving rule's choice on small weights) the quantization kernel, this kernel
+and the split-K reduction run as a chain of programmatic dependent launches: this kernel waits
+(``griddepcontrol.wait``) before it reads the activations, and with ``PREFETCH`` issues its
+first weight tiles and loads its scale words before that (the specialized kernel: its producer
+warp), so their DRAM latency overlaps the quantization; then it lets the reduction launch.
+
 Not interpretable (Gluon has no CPU interpreter): validated by the ``gpu`` tests on a Hopper GPU;
 ``tests/runtime/test_gluon_compile.py`` compiles it for sm_90a on any machine.
 """
