@@ -44,7 +44,13 @@ from mxfp8_convert.run import (
     plan_conversion,
     shard_metadata,
 )
-from mxfp8_convert.transform import CHUNK_BYTES, PIPELINE_DEPTH, ShardTransform, computed
+from mxfp8_convert.transform import (
+    CHUNK_BYTES,
+    PIPELINE_DEPTH,
+    QUEUED_AHEAD,
+    ShardTransform,
+    computed,
+)
 from mxfp8_convert.write import (
     DIRECT_BUFFERS,
     DIRECT_BYTES,
@@ -274,12 +280,19 @@ def _module_bytes(plan: ConversionPlan) -> int:
     return max((m.n * m.k * 2 for m in modules if computed(m)), default=0)
 
 
+#: working buffers each helper thread keeps (quantize's scratch: a chunk of 2**20 elements in
+#: float32 three times, in float64 twice, and its e4m3 pairs' int32 indices)
+HELPER_SCRATCH_BYTES = 30 << 20
+
+
 def _in_flight(plan: ConversionPlan, workers: int, in_flight: int, max_memory: int | None) -> int:
     """``in_flight`` modules per worker, or one where ``max_memory`` does not hold the extra
-    modules (one being written and ``in_flight`` being computed)."""
+    modules (one being written, ``in_flight`` being computed and ``QUEUED_AHEAD`` computed or
+    queued) and the helpers' working buffers."""
     if in_flight <= 1 or max_memory is None:
         return in_flight
-    need = workers * (WORKER_BASE_BYTES + (in_flight + 1) * _module_bytes(plan))
+    need = workers * (WORKER_BASE_BYTES + in_flight * HELPER_SCRATCH_BYTES
+                      + (in_flight + QUEUED_AHEAD + 1) * _module_bytes(plan))
     return in_flight if need <= max_memory else 1
 
 

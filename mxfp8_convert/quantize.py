@@ -17,6 +17,7 @@ would have produced from the same high-precision weights.
 from __future__ import annotations
 
 import math
+import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
@@ -106,6 +107,41 @@ class MXFP8Result:
 
 
 # --- small helpers --------------------------------------------------------------------------
+
+
+class _Scratch(threading.local):
+    """One thread's working buffers for a chunk, kept from chunk to chunk and module to module.
+
+    Fresh chunk-sized temporaries (and float64 ones per module) cost a page fault per 4 KiB
+    each time they are first touched; on CPU the quantizer writes its float32 and float64
+    intermediates into these instead (about 30 MiB per thread at the default chunk size, held
+    for the thread's life). Other devices allocate as before.
+    """
+
+    def __init__(self) -> None:
+        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
+
+    def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+        """A flat ``dtype`` buffer of ``numel`` elements (its contents are undefined)."""
+        if device.type != "cpu":
+            return torch.empty(numel, dtype=dtype, device=device)
+        buf = self.buffers.get((key, dtype))
+        if buf is None or buf.numel() < numel:
+            buf = self.buffers[(key, dtype)] = torch.empty(numel, dtype=dtype)
+        return buf[:numel]
+
+
+_SCRATCH = _Scratch()
+
+
+def _empty_output(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """An uninitialized output tensor; on CPU from numpy, whose large allocations Linux backs
+    with transparent huge pages (numpy asks with ``madvise``), so that writing a module's bytes
+    takes one page fault per 2 MiB instead of one per 4 KiB."""
+    if device.type != "cpu":
+        return torch.empty(shape, dtype=dtype, device=device)
+    n = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+    return torch.from_numpy(np.empty(n, dtype=np.uint8)).view(dtype).view(shape)
 
 
 def _row_chunks(n: int, k: int, chunk_rows: int | None) -> Iterator[tuple[int, int]]:
@@ -235,6 +271,7 @@ def _quantize_chunk(
     """Quantize float32 rows ``xf [n, K]`` into ``q_out [n, K]`` (e4m3) and ``s_out [n, K/32]``;
     return the codes (int32 ``[n, K/32]``)."""
     n, k = xf.shape
+    scratch = _SCRATCH.get("scaled", n * k, torch.float32, xf.device)
     blocks = xf.reshape(n, k // MX_BLOCK, MX_BLOCK)
     # amax and amin, not aminmax or |x|: these two vectorize along a block's 32 values (aminmax
     # over the last dimension does not, |x| is a full-size copy). NaN propagates through both.
@@ -251,7 +288,7 @@ def _quantize_chunk(
     # Reference: inv_scale = (code == 0) ? 1 : exp2f(127 - code). Code 0 keeps x unscaled,
     # so its (tiny) values round to +-0 in e4m3.
     inv = torch.where(codes == 0, torch.ones_like(amax), _exp2_f32(UE8M0_BIAS - codes))
-    scaled = blocks * inv.unsqueeze(-1)
+    scaled = torch.mul(blocks, inv.unsqueeze(-1), out=scratch.view(n, k // MX_BLOCK, MX_BLOCK))
     # cutlass' host float_e4m3_t(float) is round-nearest-even with satfinite; torch's cast is
     # RNE but turns |x| >= 480 into NaN, so saturate first: then the two agree on every non-NaN
     # fp32 (checked exhaustively over all 2^32 bit patterns). With the ceil rule above the clamp
@@ -294,8 +331,11 @@ def _residual_f32(xf: torch.Tensor, q: torch.Tensor, codes: torch.Tensor) -> tor
     """
     n, k = xf.shape
     if q.device.type == "cpu":  # pairs of bytes as native uint16 (int16 widened, masked)
-        pairs = q.reshape(-1, 2).view(torch.int16).reshape(-1).to(torch.int32).bitwise_and_(0xFFFF)
-        deq = torch.index_select(_E4M3_PAIRS_T, 0, pairs).view(torch.float32).view(n, k)
+        pairs = _SCRATCH.get("pairs", n * k // 2, torch.int32, q.device)
+        pairs.copy_(q.reshape(-1, 2).view(torch.int16).reshape(-1)).bitwise_and_(0xFFFF)
+        deq = _SCRATCH.get("deq", n * k // 2, torch.int64, q.device)
+        torch.index_select(_E4M3_PAIRS_T, 0, pairs, out=deq)
+        deq = deq.view(torch.float32).view(n, k)
     else:
         deq = q.to(torch.float32)
     deq.view(n, k // MX_BLOCK, MX_BLOCK).mul_(_exp2_f32(codes - UE8M0_BIAS).unsqueeze(-1))
@@ -309,6 +349,7 @@ def _quantize_rows(
     name: str,
     chunk_rows: int | None,
     measure: bool,
+    source: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize the ``[N, K]`` float32 values ``rows(r0, r1)`` gives (rows ``r0:r1``) chunk by
     chunk; with ``measure``, also ``[sum (deq - x)^2, sum x^2]`` in float64.
@@ -316,13 +357,14 @@ def _quantize_rows(
     The sums are the float64 dot products of each chunk's differences and reference values,
     added chunk after chunk, exactly as :func:`quantization_error` computes them: the
     differences come exact from float32 (:func:`_residual_f32`), or, for a chunk with a code
-    above ``_F32_EXACT_MAX_CODE``, from the float64 dequantization itself.
+    above ``_F32_EXACT_MAX_CODE``, from the float64 dequantization itself. ``source``, where
+    given, holds those float32 values exactly in a narrower dtype (bf16, fp16: the widening is
+    exact either way), and the float64 reference is widened from it, reading fewer bytes.
     """
     n, k = shape
-    q = torch.empty((n, k), dtype=torch.float8_e4m3fn, device=device)
-    s = torch.empty((n, k // MX_BLOCK), dtype=torch.uint8, device=device)
+    q = _empty_output((n, k), torch.float8_e4m3fn, device)
+    s = _empty_output((n, k // MX_BLOCK), torch.uint8, device)
     sums = torch.zeros(2, dtype=torch.float64, device=device) if measure else None
-    diff64 = ref64 = None
     for r0, r1 in _row_chunks(n, k, chunk_rows) if n * k else ():
         xf = rows(r0, r1)
         codes = _quantize_chunk(xf, q[r0:r1], s[r0:r1], name, r0)
@@ -331,18 +373,21 @@ def _quantize_rows(
         if int(codes.max()) > _F32_EXACT_MAX_CODE:
             sums += _error_sums(xf, q[r0:r1], s[r0:r1], name, r0)
             continue
-        if diff64 is None:  # one pair of buffers, sized by the first (largest) chunk
-            diff64, ref64 = (torch.empty(xf.numel(), dtype=torch.float64, device=device)
-                             for _ in range(2))
-        d, r = diff64[: xf.numel()], ref64[: xf.numel()]
+        d = _SCRATCH.get("diff64", xf.numel(), torch.float64, device)
+        r = _SCRATCH.get("ref64", xf.numel(), torch.float64, device)
         d.view(r1 - r0, k).copy_(_residual_f32(xf, q[r0:r1], codes))
-        r.view(r1 - r0, k).copy_(xf)
+        r.view(r1 - r0, k).copy_(xf if source is None else source[r0:r1])
         sums += torch.stack([torch.dot(d, d), torch.dot(r, r)])
     return q, s, sums
 
 
 def _widened(x: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
-    return lambda r0, r1: x[r0:r1].to(torch.float32)
+    """Rows ``r0:r1`` of ``x`` as float32 (exact), in this thread's scratch buffer."""
+    def rows(r0: int, r1: int) -> torch.Tensor:
+        out = _SCRATCH.get("xf", (r1 - r0) * x.shape[1], torch.float32, x.device)
+        return out.view(r1 - r0, x.shape[1]).copy_(x[r0:r1])
+
+    return rows
 
 
 def _check_high_precision(x: torch.Tensor, name: str, fn: str) -> None:
@@ -406,7 +451,8 @@ def quantize_mxfp8_with_error(
         LayoutError: as :func:`quantize_mxfp8`.
     """
     _check_high_precision(x, name, "quantize_mxfp8_with_error")
-    q, s, sums = _quantize_rows(_widened(x), x.shape, x.device, name, chunk_rows, measure=True)
+    q, s, sums = _quantize_rows(_widened(x), x.shape, x.device, name, chunk_rows, measure=True,
+                                source=None if x.dtype == torch.float32 else x)
     return q, s, _to_quant_error(sums)
 
 

@@ -955,6 +955,7 @@ def test_module_stays_pure():
     assert imports <= {
         "__future__",
         "math",
+        "threading",  # per-thread scratch buffers (threading.local), no threads started
         "collections.abc",
         "dataclasses",
         "numpy",  # tensor math too: the e4m3 table lookup
@@ -976,3 +977,42 @@ def test_cuda_matches_cpu():
     res, resc = block_fp8_to_mxfp8(w, scale_inv), block_fp8_to_mxfp8(w.cuda(), scale_inv.cuda())
     assert torch.equal(resc.q.cpu().view(torch.uint8), res.q.view(torch.uint8))
     assert_error_close(resc.error, res.error)
+
+
+# --- working buffers kept per thread (quantize._Scratch) ------------------------------------
+
+
+def test_results_do_not_share_the_reused_working_buffers():
+    # each thread's chunk buffers are reused call after call: what a call returned must not
+    # change when the next call (another shape, dtype and chunking) runs in the same thread
+    a = gaussian_blocks(96, 512, seed=61).to(torch.bfloat16)
+    b = gaussian_blocks(300, 256, seed=62, lo=-140, hi=120)
+    qa, sa, ea = quantize_mxfp8_with_error(a)
+    kept = (qa.view(torch.uint8).clone(), sa.clone())
+    quantize_mxfp8_with_error(b, chunk_rows=7)
+    quantize_mxfp8(b)
+    assert torch.equal(qa.view(torch.uint8), kept[0]) and torch.equal(sa, kept[1])
+    want_q, want_s = ref_quantize(a)  # the numpy recipe, independent of the code under test
+    assert np.array_equal(qa.view(torch.uint8).numpy(), want_q) and np.array_equal(sa, want_s)
+    want_rel, want_db = numpy_error(a, qa, sa)
+    assert ea.rel_fro == pytest.approx(want_rel, rel=1e-12)
+    assert ea.sqnr_db == pytest.approx(want_db, rel=1e-12)
+    assert qa.is_contiguous() and sa.is_contiguous()
+
+
+def test_threads_side_by_side_give_the_serial_results():
+    # two threads quantizing at once, each with its own working buffers: the same bytes and
+    # the same float64 sums as one call after the other, and the numpy recipe's bytes
+    from concurrent.futures import ThreadPoolExecutor
+
+    xs = [gaussian_blocks(64 + 32 * i, 256 * (1 + i % 3), seed=70 + i, lo=-60, hi=60)
+          .to(torch.bfloat16 if i % 2 else torch.float32) for i in range(8)]
+    serial = [quantize_mxfp8_with_error(x, chunk_rows=16) for x in xs]
+    with ThreadPoolExecutor(2) as pool:
+        parallel = list(pool.map(lambda x: quantize_mxfp8_with_error(x, chunk_rows=16), xs))
+    for x, (q0, s0, e0), (q1, s1, e1) in zip(xs, serial, parallel, strict=True):
+        assert torch.equal(q1.view(torch.uint8), q0.view(torch.uint8)) and torch.equal(s1, s0)
+        assert e1 == e0 == quantization_error(x, q0, s0, chunk_rows=16)
+        want_q, want_s = ref_quantize(x)
+        assert np.array_equal(q1.view(torch.uint8).numpy(), want_q)
+        assert np.array_equal(s1.numpy(), want_s)
