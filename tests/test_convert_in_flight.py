@@ -113,3 +113,39 @@ def test_modules_in_flight_fit_the_memory_budget(tmp_path):
     assert convert_mod._in_flight(plan, 1, 2, need) == 2
     assert convert_mod._in_flight(plan, 1, 2, need - 1) == 1
     assert convert_mod._in_flight(plan, 1, 2, None) == 2
+
+
+def test_helpers_compute_ahead_while_the_tensors_before_the_modules_are_copied(tmp_path,
+                                                                             monkeypatch):
+    # The shard's first tensors are copies (the embeddings): the helpers start on the modules
+    # meanwhile, and take more than the two they compute at once (QUEUED_AHEAD), without
+    # waiting for this thread to reach them; the bytes are the serial ones.
+    src = write_checkpoint(tmp_path / "src", SPEC)
+    monkeypatch.setattr(convert_mod, "_in_flight", lambda plan, w, k, m: 1)
+    serial = convert(src, "canonical", tmp_path / "one")  # one output shard: all its modules
+    started: list[str] = []
+    lock = threading.Condition()
+
+    def spy(m, *args):
+        with lock:
+            started.append(m.name)
+            lock.notify_all()
+        return CANONICAL_MODULE(m, *args)
+
+    real_copy = transform_mod.ShardTransform._copy
+    seen = []
+
+    def copy(self, info, sink, *, check_nan):
+        if not seen:  # the first copy: no module has been taken by this thread yet
+            with lock:
+                seen.append(lock.wait_for(lambda: len(started) >= 3, timeout=20))
+        yield from real_copy(self, info, sink, check_nan=check_nan)
+
+    monkeypatch.setattr(convert_mod, "_in_flight", lambda plan, w, k, m: 2)
+    monkeypatch.setattr(transform_mod, "canonical_module", spy)
+    monkeypatch.setattr(transform_mod.ShardTransform, "_copy", copy)
+    parallel = convert(src, "canonical", tmp_path / "two")
+    assert seen[0] is True  # three modules started before the first copy went on
+    assert tree_hashes(tmp_path / "two") == tree_hashes(tmp_path / "one")
+    assert list(parallel.quantization_errors.items()) == list(serial.quantization_errors.items())
+    assert _helpers() == []
