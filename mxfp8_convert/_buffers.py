@@ -10,7 +10,7 @@ from __future__ import annotations
 import queue
 import threading
 
-import numpy as np
+from mxfp8_convert._lazy import numpy as np
 
 
 class BufferPool:

@@ -25,9 +25,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import NamedTuple
 
-import numpy as np
-
 from mxfp8_convert._gc import paused_gc
+from mxfp8_convert._lazy import numpy as np
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.dtypes import ST_DTYPES, torch_dtype
 from mxfp8_convert.errors import LayoutError, SourceError

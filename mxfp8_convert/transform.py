@@ -18,10 +18,10 @@ from collections.abc import Callable, Iterable, Iterator
 from concurrent.futures import Future, ThreadPoolExecutor
 from typing import TYPE_CHECKING, Protocol
 
-import numpy as np
 import xxhash
 
 from mxfp8_convert._buffers import BufferPool
+from mxfp8_convert._lazy import numpy as np
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.backends import BACKENDS, BackendSpec
 from mxfp8_convert.dtypes import torch_dtype
@@ -59,7 +59,7 @@ _P32_ROWS, _IDENTITY = LAYOUTS["trtllm"].weight, LAYOUTS["cutlass"].weight
 #: ``scan(piece, at)``: checks the bytes ``piece`` found at offset ``at`` of the data written
 Scan = Callable[[memoryview, int], None]
 #: ``lay_out(piece, out)``: ``piece``'s bytes laid out into ``out`` (same size), returned
-LayOut = Callable[[memoryview, np.ndarray], np.ndarray]
+LayOut = Callable[[memoryview, "np.ndarray"], "np.ndarray"]
 
 
 class Sink(Protocol):

@@ -26,9 +26,9 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
-import numpy as np
 import xxhash
 
+from mxfp8_convert._lazy import numpy as np
 from mxfp8_convert._lazy import torch, torch_loaded
 from mxfp8_convert.errors import ConvertError, DiskFullError, OutputError
 from mxfp8_convert.format import COMPLETE_MARKER as COMPLETE_NAME

@@ -47,8 +47,7 @@ layout, not a detail of this one.
 
 from __future__ import annotations
 
-import numpy as np
-
+from mxfp8_convert._lazy import numpy as np
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts._common import as_bytes

@@ -8,8 +8,7 @@ moves rows within 32-row blocks, so it commutes with slicing rows at multiples o
 
 from __future__ import annotations
 
-import numpy as np
-
+from mxfp8_convert._lazy import numpy as np
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 

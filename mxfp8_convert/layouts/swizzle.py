@@ -12,8 +12,7 @@ FlashInfer's flat buffer, and slicing the first two dims gives the swizzled byte
 
 from __future__ import annotations
 
-import numpy as np
-
+from mxfp8_convert._lazy import numpy as np
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts._common import as_bytes, ceil_to, pad_2d

@@ -9,8 +9,7 @@ weight row ``p`` of the shuffled weight.
 
 from __future__ import annotations
 
-import numpy as np
-
+from mxfp8_convert._lazy import numpy as np
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.layouts._common import as_bytes, ceil_to, pad_2d
