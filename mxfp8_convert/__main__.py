@@ -1,3 +1,3 @@
-from mxfp8_convert.cli import main
+from mxfp8_convert.cli import script
 
-raise SystemExit(main())
+script()
