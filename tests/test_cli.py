@@ -224,3 +224,36 @@ def test_push_flag_combinations_are_usage_errors(capsys, src, tmp_path):
     code, _, err = run(capsys, src, "-b", "trtllm", "-o", tmp_path / "o", "--push-to-hub", "me/x",
                        "--dry-run")
     assert code == 2 and not (tmp_path / "o").exists()
+
+
+PROGRAM = """
+import atexit, gc, sys
+atexit.register(lambda: sys.stderr.write(f"frozen {gc.get_freeze_count()}\\n"))
+sys.argv = ["mxfp8-convert", *sys.argv[1:]]
+from mxfp8_convert.cli import script
+script()
+"""
+
+
+def test_the_program_exits_with_mains_code_and_freezes_what_it_built(capsys, src, tmp_path):
+    """``cli.script`` (the console script, ``python -m mxfp8_convert``) prints what ``main``
+    prints and exits with its code, having moved what is left out of the shutdown collections
+    (``gc.freeze``); ``main`` itself never freezes, for callers that go on running."""
+    import gc
+    import subprocess
+    import sys
+
+    before = gc.get_freeze_count()
+    code, out, _ = run(capsys, "inspect", src, "--json")
+    assert code == 0 and json.loads(out)["format"]
+    assert gc.get_freeze_count() == before
+    ok = subprocess.run([sys.executable, "-c", PROGRAM, "inspect", str(src), "--json"],
+                        capture_output=True, text=True)
+    bad = subprocess.run([sys.executable, "-c", PROGRAM, "inspect", str(tmp_path / "none")],
+                         capture_output=True, text=True)
+    assert (ok.returncode, ok.stdout) == (0, out)
+    assert int(ok.stderr.split("frozen ")[-1]) > 0
+    assert bad.returncode == 1 and "Error: " in bad.stderr
+    version = subprocess.run([sys.executable, "-m", "mxfp8_convert", "--version"],
+                             capture_output=True, text=True)
+    assert version.returncode == 0 and version.stdout.startswith("mxfp8-convert ")

@@ -1,8 +1,9 @@
 """The package's import graph, read from the source (ast): no cycle among ``mxfp8_convert``'s
 modules, counting imports made inside functions too; ``layouts/`` importing nothing of the
-package but the error and lazy-import modules (and other ``layouts`` modules), and no other
-library than numpy (torch only through the lazy proxy); the pipeline's layers in order
-(transform below the orchestration, parts and ``run`` below ``convert``)."""
+package but the error and lazy-import modules (and other ``layouts`` modules), and no library
+(numpy and torch only through the lazy proxies, so that planning imports neither); the
+pipeline's layers in order (transform below the orchestration, parts and ``run`` below
+``convert``)."""
 
 from __future__ import annotations
 
@@ -117,11 +118,11 @@ def test_layouts_import_only_errors_and_lazy():
         assert not bad, f"{name} imports {sorted(bad)}"
 
 
-def test_layouts_import_no_library_but_numpy():
-    """Layout math is pure: numpy, and torch only through ``_lazy`` (so that moving MXFP8
-    bytes never imports it)."""
+def test_layouts_import_no_library():
+    """Layout math is pure: numpy and torch only through ``_lazy`` (moving MXFP8 bytes never
+    imports torch; planning, which imports the layouts' shape functions, imports neither)."""
     for name in _layouts():
-        assert _libraries(name) <= {"numpy"}, f"{name} imports {sorted(_libraries(name))}"
+        assert not _libraries(name), f"{name} imports {sorted(_libraries(name))}"
 
 
 def test_the_layers_are_connected():
@@ -131,7 +132,7 @@ def test_the_layers_are_connected():
 
 
 def test_library_reader_sees_imports():
-    assert _libraries(f"{PKG}.layouts.rows") == {"numpy"}
+    assert "numpy" in _libraries(f"{PKG}.quantize")
     assert "xxhash" in _libraries(f"{PKG}.transform")
 
 

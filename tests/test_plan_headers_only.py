@@ -2,7 +2,8 @@
 anything that computes on tensors, or calls anything that reads tensor data or opens a file
 (read from the source with ``ast``, imports inside functions included). The one fact about
 data a plan needs comes from the reader (``read.pow2_scales``). And, run for real, planning a
-quantized checkpoint (FP8 scales read and refused included) leaves torch unimported.
+quantized checkpoint (FP8 scales read and refused included) leaves torch unimported, and
+planning or inspecting an MXFP8 one leaves numpy unimported too.
 """
 
 from __future__ import annotations
@@ -128,3 +129,28 @@ def _zero_first_scale(root: Path) -> None:
                 f.write_bytes(bytes(raw))
                 return
     raise AssertionError("no float32 scale found")
+
+
+NO_NUMPY = """
+import sys
+from mxfp8_convert.cli import main
+code = main(sys.argv[1:])
+print(code, "numpy" in sys.modules)
+"""
+
+
+@pytest.mark.parametrize("command", ["dry-run", "inspect"])
+def test_planning_mxfp8_imports_no_numpy(tmp_path, command):
+    """An MXFP8 source's plan and report come from headers alone: numpy (imported lazily by the
+    byte paths and the FP8 scale test) stays unloaded, while the FP8 source, whose scales are
+    read, does load it (so the check can tell)."""
+    spec = SynthSpec(layers=1, hidden=256, intermediate=512, vocab=256, shards=2)
+    seen = {}
+    for dialect in ("sglang_mxfp8", "block_fp8"):
+        src = write_checkpoint(tmp_path / dialect, replace(spec, dialect=dialect))
+        args = ([str(src), "-b", "trtllm", "-o", str(tmp_path / "o"), "--dry-run", "--json"]
+                if command == "dry-run" else ["inspect", str(src), "--json"])
+        r = subprocess.run([sys.executable, "-c", NO_NUMPY, *args], capture_output=True,
+                           text=True, check=True)
+        seen[dialect] = r.stdout.splitlines()[-1]
+    assert seen == {"sglang_mxfp8": "0 False", "block_fp8": "0 True"}
