@@ -35,15 +35,24 @@ class ModuleReport:
     shape: list[int]
     weight_dtype: str
     layout: str  # how it is stored now
-    backends: dict[str, list[str]]  # backend -> violations (empty: it can take it)
+    #: backend -> violations (empty: it can take it); modules of one shape share this dict
+    backends: dict[str, list[str]]
 
-    def to_dict(self) -> dict:
+    def to_dict(self, docs: dict[int, dict] | None = None) -> dict:
+        """The module's document. ``docs``: the ``backends`` documents made so far, by the id
+        of their ``backends`` dict; modules that share that dict get the same (read-only)
+        document, written once by ``cli._output.dumps``."""
+        backends = None if docs is None else docs.get(id(self.backends))
+        if backends is None:
+            backends = {b: {"ok": not v, "why_not": v} for b, v in self.backends.items()}
+            if docs is not None:
+                docs[id(self.backends)] = backends
         return {
             "name": self.name,
             "shape": self.shape,
             "weight_dtype": self.weight_dtype,
             "layout": self.layout,
-            "backends": {b: {"ok": not v, "why_not": v} for b, v in self.backends.items()},
+            "backends": backends,
         }
 
 
@@ -90,6 +99,7 @@ class InspectReport:
     tp_compat: list[int] | None = None
 
     def to_dict(self) -> dict:
+        docs: dict[int, dict] = {}  # the modules' ``backends`` are shared by shape: so are these
         return {
             "path": self.path,
             "format": self.format,
@@ -102,7 +112,7 @@ class InspectReport:
             "count_by_role": self.count_by_role,
             "conversion": self.actions,
             "moe_layers": [m.to_dict() for m in self.moe],
-            "modules": [m.to_dict() for m in self.modules],
+            "modules": [m.to_dict(docs) for m in self.modules],
         }
 
 
@@ -127,21 +137,18 @@ def inspect_checkpoint(
     )
     modules = find_modules(ckpt, fmt, [])
     roles: dict[str, str] = {}
+    by_shape: dict[tuple, tuple[list[int], dict]] = {}  # a few shapes, many modules of each
     for module, w, s in modules:
         roles[w.name] = "weight"
         if s is not None:
             roles[s.name] = "weight_scale"
-        n, k = (w.shape + (0, 0))[:2] if len(w.shape) == 2 else (0, 0)
+        shared = by_shape.get(w.shape)
+        if shared is None:
+            n, k = (w.shape + (0, 0))[:2] if len(w.shape) == 2 else (0, 0)
+            why = {b: _why_not(BACKENDS[b], w, n, k) for b in KERNEL_BACKENDS}
+            shared = by_shape[w.shape] = (list(w.shape), why)
         stored = _stored_as(fmt, report.backend, s)
-        report.modules.append(
-            ModuleReport(
-                module,
-                list(w.shape),
-                w.dtype,
-                stored,
-                {b: _why_not(BACKENDS[b], w, n, k) for b in KERNEL_BACKENDS},
-            )
-        )
+        report.modules.append(ModuleReport(module, shared[0], w.dtype, stored, shared[1]))
     report.moe = _per_expert_blocks(report.modules) + _fused_blocks(ckpt, roles)
     for name, info in ckpt.tensors.items():
         role = roles.get(name, "other")

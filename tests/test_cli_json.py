@@ -78,3 +78,42 @@ def test_circular_references_and_bad_keys_fail_as_they_do_there():
         with pytest.raises(error) as got:
             dumps(doc)
         assert str(got.value) == str(want.value)
+
+
+@st.composite
+def shared_documents(draw):
+    """Documents that hold a few objects in many places, at one depth and at several."""
+    parts = draw(st.lists(documents, min_size=1, max_size=4))
+    return draw(st.recursive(
+        st.sampled_from(parts),
+        lambda inner: st.one_of(st.lists(inner, max_size=4),
+                                st.dictionaries(st.text(max_size=3), inner, max_size=4)),
+        max_leaves=20,
+    ))
+
+
+@settings(max_examples=300, deadline=None)
+@given(shared_documents())
+def test_objects_in_many_places_are_written_in_each(doc):
+    assert dumps(doc) == _reference(doc)
+
+
+def test_a_shared_object_at_two_depths_gets_each_depths_indent():
+    why = {"ok": False, "why_not": ["N=100 is not a multiple of 128"]}
+    shape = [100, 256]
+    modules = [{"shape": shape, "backends": {"trtllm": why, "cutlass": why}} for _ in range(3)]
+    doc = {"modules": modules, "first": why, "deep": [[[why, shape]]], "again": modules}
+    assert dumps(doc) == _reference(doc)
+    assert _reference(doc).count('"N=100 is not a multiple of 128"') == 14
+
+
+def test_a_shared_object_that_fails_fails_the_same_each_time():
+    bad = {"x": [1.0, math.nan]}
+    loop: list = [1]
+    loop.append({"again": loop})
+    for doc in ([{"a": 1}, bad, bad], {"p": loop, "q": loop}):
+        with pytest.raises(ValueError) as want:
+            _reference(doc)
+        with pytest.raises(ValueError) as got:
+            dumps(doc)
+        assert str(got.value) == str(want.value)

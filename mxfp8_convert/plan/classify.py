@@ -78,6 +78,7 @@ def find_modules(
     """Pair each quantized weight with its scale; for dense sources, each weight the
     architecture (or the name rules) calls a linear of the language model. ``ignore``: module
     names (or patterns) left out."""
+    patterns = list(ignore)
     if fmt.kind == "dense":
         arch = dense_architecture(ckpt)
         return sorted(
@@ -87,18 +88,43 @@ def find_modules(
             and i.dtype in FLOAT_DTYPES
             and len(i.shape) == 2
             and arch.decide(n, i.shape).quantized
-            and not _matches_any(module_of(n), list(ignore))
+            and not _matches_any(module_of(n), patterns)
         )
     pairs = _quantized_pairs(ckpt, fmt)
-    return [(m, w, s) for m, w, s in pairs if not _matches_any(m, list(ignore))]
+    if not patterns:
+        return list(pairs)
+    return [(m, w, s) for m, w, s in pairs if not _matches_any(m, patterns)]
+
+
+#: the last ``_quantized_pairs``: ``[ckpt, scale suffixes, pairs]``, the checkpoint compared by
+#: identity (``inspect`` lists the modules and plans every backend from one search)
+_PAIRS: list = []
 
 
 def _quantized_pairs(
     ckpt: SourceCheckpoint, fmt: FormatSpec
 ) -> list[tuple[str, TensorInfo, TensorInfo]]:
+    """``(module, weight, scale)`` of every quantized weight, by module name (``_pairs``), found
+    once for the same checkpoint object and scale names. Callers do not change the list."""
+    suffixes = _scale_suffixes(fmt)
+    memo = _PAIRS
+    if memo and memo[0] is ckpt and memo[1] == suffixes:
+        return memo[2]
+    pairs = _pairs(ckpt, suffixes)
+    memo[:] = [ckpt, suffixes, pairs]
+    return pairs
+
+
+def _pairs(
+    ckpt: SourceCheckpoint, suffixes: tuple[str, ...]
+) -> list[tuple[str, TensorInfo, TensorInfo]]:
+    """Each float8 weight with the first of its scales ``suffixes`` names.
+
+    Raises:
+        SourceError: a scale without its weight, a float8 weight without a scale.
+    """
     tensors = ckpt.tensors
     out = []
-    suffixes = _scale_suffixes(fmt)
     dotted = tuple("." + x for x in suffixes)
     for name, info in tensors.items():
         if name.endswith(dotted):  # one test of every name against all the suffixes
