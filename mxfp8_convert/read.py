@@ -420,6 +420,7 @@ def _fast_header(
     spans = []
     limit = 2**48
     itemsize = _ITEMSIZE.get
+    new = tuple.__new__  # a TensorInfo without the Python frame of its class's ``__new__``
     for name, e in top.items():
         if type(e) is not dict or len(e) != 3:
             return None
@@ -436,15 +437,22 @@ def _fast_header(
             or not 0 <= begin <= end
         ):
             return None
-        nbytes = item
-        for d in shape:
-            if type(d) is not int or not 0 <= d < limit:
+        if len(shape) == 2:  # most tensors: the loop below, unrolled
+            n, k = shape
+            if type(n) is not int or type(k) is not int or not (0 <= n < limit and 0 <= k < limit):
                 return None
-            nbytes *= d
+            nbytes = item * n * k
+        else:
+            nbytes = item
+            for d in shape:
+                if type(d) is not int or not 0 <= d < limit:
+                    return None
+                nbytes *= d
         if end - begin != nbytes or data_start + end > size:
             return None
         spans.append((begin, end))
-        tensors[name] = TensorInfo(name, dtype, tuple(shape), relpath, data_start + begin, nbytes)
+        tensors[name] = new(TensorInfo, (name, dtype, tuple(shape), relpath, data_start + begin,
+                                         nbytes))
     spans.sort()
     pos = 0
     for begin, end in spans:

@@ -14,6 +14,7 @@ from pathlib import Path
 
 import xxhash
 
+from mxfp8_convert._gc import paused_gc
 from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import get_backend
 from mxfp8_convert.errors import ConvertError
@@ -97,7 +98,8 @@ def default_output(model: str, backend: str) -> Path:
     return Path.cwd() / f"{model.rstrip('/').split('/')[-1]}-{backend}"
 
 
-def plan_conversion(
+@paused_gc()  # one pause from opening to the plan: the first collection after it walks all
+def plan_conversion(  # that was made during it, once instead of once per step (``_gc``)
     model: str | Path,
     backend: str,
     *,

@@ -257,3 +257,39 @@ def test_the_program_exits_with_mains_code_and_freezes_what_it_built(capsys, src
     version = subprocess.run([sys.executable, "-m", "mxfp8_convert", "--version"],
                              capture_output=True, text=True)
     assert version.returncode == 0 and version.stdout.startswith("mxfp8-convert ")
+
+
+COLLECTOR = """
+import atexit, gc, sys
+atexit.register(lambda: sys.stderr.write(f"collector {gc.isenabled()}\\n"))
+sys.argv = ["mxfp8-convert", *sys.argv[1:]]
+from mxfp8_convert.cli import script
+script()
+"""
+
+
+def test_planning_commands_leave_the_collector_paused_to_the_end_of_the_program(
+    capsys, src, tmp_path
+):
+    """A dry run and ``inspect`` plan only: the program keeps the cycle collector off from
+    opening the checkpoint to its exit (no collection walks the plan between the steps); a
+    conversion keeps it on; called in-process, every command leaves it on."""
+    import gc
+    import subprocess
+    import sys
+
+    commands = {
+        "dry": lambda out: [str(src), "-b", "trtllm", "-o", str(out), "--dry-run", "--json"],
+        "inspect": lambda out: ["inspect", str(src), "--json"],
+        "convert": lambda out: [str(src), "-b", "trtllm", "-o", str(out), "--json"],
+    }
+    seen = {}
+    for name, argv in commands.items():
+        r = subprocess.run([sys.executable, "-c", COLLECTOR, *argv(tmp_path / f"{name}-p")],
+                           capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr
+        seen[name] = r.stderr.strip().splitlines()[-1]
+        code, _, err = run(capsys, *argv(tmp_path / f"{name}-in"))
+        assert code == 0 and gc.isenabled(), err
+    assert seen == {"dry": "collector False", "inspect": "collector False",
+                    "convert": "collector True"}

@@ -56,3 +56,21 @@ def test_opening_and_planning_pause_the_collector(tmp_path, monkeypatch):
     build.build_plan(ckpt, get_backend("trtllm"), detect(ckpt.config, None, ckpt.tensors))
     assert gc.isenabled()
     assert seen and set(seen) == {("header", False), ("pack", False)}
+
+
+def test_plan_conversion_is_one_pause_from_opening_to_the_plan(tmp_path, monkeypatch):
+    """Between opening the checkpoint and planning it (format detection) the collector stays
+    paused too, so that the objects of both are walked once afterwards, not once per step."""
+    from mxfp8_convert import run
+
+    src = write_checkpoint(tmp_path / "m", SynthSpec(layers=1, hidden=256, intermediate=512))
+    seen = []
+    detect_source = run.detect_source
+
+    def detected(*a, **k):
+        seen.append(gc.isenabled())
+        return detect_source(*a, **k)
+
+    monkeypatch.setattr(run, "detect_source", detected)
+    _, plan = run.plan_conversion(src, "trtllm")
+    assert seen == [False] and gc.isenabled() and plan.modules

@@ -43,3 +43,18 @@ NAMES = [
 def test_expert_key_is_what_the_regex_gives(name):
     expert_key.cache_clear()
     assert expert_key(name) == _by_regex(name)
+
+
+def test_revised_changes_action_layout_and_reason_only():
+    """``revised`` builds the tuple itself: what ``_replace`` of those three fields gives, every
+    other field (defaults overridden) as it was."""
+    from mxfp8_convert.plan.model import ModulePlan, revised
+    from mxfp8_convert.read import TensorInfo
+
+    w = TensorInfo("m.weight", "F8_E4M3", (256, 512), "a.safetensors", 8, 256 * 512)
+    s = TensorInfo("m.weight_scale_inv", "U8", (256, 16), "b.safetensors", 8, 256 * 16)
+    m = ModulePlan("m", 256, 512, w, s, "relayout", "trtllm", "r", "laid_out", "cutlass",
+                   "fused-slice", "names", "stacked-slice")
+    got = revised(m, action="keep", layout="canonical", reason="why")
+    assert got == m._replace(action="keep", layout="canonical", reason="why")
+    assert type(got) is ModulePlan and got.stacked == "stacked-slice"

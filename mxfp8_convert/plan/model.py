@@ -349,24 +349,14 @@ def module_of(name: str) -> str:
     return name[: -len(".weight")] if name.endswith(".weight") else name
 
 
+_new_tuple = tuple.__new__
+
+
 def revised(m: ModulePlan, *, action: str, layout: str, reason: str | None) -> ModulePlan:
-    """``m`` with another action, layout and reason. (Positional: ``_replace`` goes through a
-    dict of keywords, and this runs once per expert of every MoE block.)"""
-    return ModulePlan(
-        m.name,
-        m.n,
-        m.k,
-        m.weight,
-        m.scale,
-        action,
-        layout,
-        reason,
-        m.source_kind,
-        m.source_backend,
-        m.fused,
-        m.decided_by,
-        m.stacked,
-    )
+    """``m`` with another action, layout and reason (fields 5-7). Built as the tuple it is:
+    ``_replace`` goes through a dict of keywords, the class call through a Python ``__new__``,
+    and this runs once per expert of every MoE block."""
+    return _new_tuple(ModulePlan, (*m[:5], action, layout, reason, *m[8:]))
 
 
 def dequantized(m: ModulePlan, reason: str) -> ModulePlan:
