@@ -38,13 +38,13 @@ def run_round(src: Path, dst: Path, contenders: dict[str, list[str]], rows: dict
         subprocess.run(["sync"], check=True)
 
     fresh()
-    t_cp, c_cp, _ = timed(["cp", "-r", "--sparse=never", str(src), str(dst)])
-    t_sync, c_sync, _ = timed(["sync"])
+    t_cp, c_cp, _, _ = timed(["cp", "-r", "--sparse=never", str(src), str(dst)])
+    t_sync, c_sync, _, _ = timed(["sync"])
     rows[CP]["seconds"].append(t_cp + t_sync)
     rows[CP]["cpu_seconds"].append(c_cp + c_sync)
     for name, cmd in contenders.items():
         fresh()
-        t, c, r = timed([*cmd, "-o", str(dst)])
+        t, c, r, _ = timed([*cmd, "-o", str(dst)])
         rows[name]["seconds"].append(t)
         rows[name]["cpu_seconds"].append(c)
         rows[name]["peak_rss"].append(r)
