@@ -5,8 +5,9 @@ Laying an MXFP8 checkpoint out for a kernel only moves bytes, and importing torc
 that path name torch through this proxy, so only the paths that compute on tensors import it.
 Code that must not import torch by accident asks ``torch_loaded()`` before ``isinstance`` checks.
 
-numpy (~0.1 s to import) likewise: planning an MXFP8 checkpoint (``--dry-run``, ``inspect``)
-reads headers only and never needs it; the byte paths and the FP8 scale test do.
+numpy likewise (BENCHMARKS.md, issue 25's planning rows): planning an MXFP8 checkpoint
+(``--dry-run``, ``inspect``) reads headers only and never needs it; the byte paths and the FP8
+scale test do.
 """
 
 from __future__ import annotations

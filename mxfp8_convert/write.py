@@ -46,8 +46,8 @@ from mxfp8_convert.format import PARTIAL_MANIFEST as MANIFEST_NAME
 #: than 32 MiB ones on ext4 here); BENCHMARKS.md
 WRITE_PIECE = 256 << 10
 #: the same for direct writes, whose pieces are copied into a buffer rather than written one by
-#: one: 1 MiB pieces (still within the CPU's caches) take 4x fewer Python steps per byte, for
-#: 16-20 % less CPU per GB than 256 KiB ones (BENCHMARKS.md, issue 25 "timeline")
+#: one: 1 MiB pieces (still within the CPU's caches) take 4x fewer Python steps per byte than
+#: 256 KiB ones, and less CPU per GB (BENCHMARKS.md, issue 25, "kept: direct-write pieces")
 DIRECT_PIECE = 1 << 20
 #: writes smaller than this are copied into one buffer and written together: a thread hand-off
 #: per small tensor cost ~0.2 ms, which dominated checkpoints of many small tensors

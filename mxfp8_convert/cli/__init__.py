@@ -657,9 +657,10 @@ def _planning_only(only: bool) -> Iterator[None]:
     ``only`` False: no effect): the cycle collector paused from the checkpoint's opening to the
     printed document. Its objects (~10^5 for DeepSeek-V3: header entries, module plans,
     document nodes) form no cycles (``_gc``), and the first collection after a pause walks
-    everything made during it: 0.13 s of a dry run and 0.24 s of ``inspect`` were two such
-    walks, between opening and planning and before printing. In the program the collector
-    stays off to the end, where ``script`` freezes what is left; called in-process, it resumes.
+    everything made during it: in a dry run and ``inspect`` there were two such walks, between
+    opening and planning and before printing (BENCHMARKS.md, issue 25). In the program the
+    collector stays off to the end, where ``script`` freezes what is left; called in-process,
+    it resumes.
     """
     if not only:
         yield
@@ -676,8 +677,8 @@ def script() -> None:
 
     What the command built (a DeepSeek-V3-sized plan is ~10^5 header entries, module plans and
     document nodes) is moved out of the cycle collector's reach first (``gc.freeze``): the
-    interpreter's shutdown collections would walk all of it once more only to free it, about
-    0.1 s of a dry run (BENCHMARKS.md, issue 25); it is freed by reference counting as before.
+    interpreter's shutdown collections would walk all of it once more only to free it
+    (BENCHMARKS.md, issue 25); it is freed by reference counting as before.
     ``main()`` itself leaves the collector as it found it, for callers that go on running.
     """
     global _PROGRAM
