@@ -28,7 +28,13 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
-from bench_gemm import n_copies, random_weight, rel_err, time_graph  # noqa: E402
+from bench_gemm import (  # noqa: E402
+    n_copies,
+    random_weight,
+    rel_err,
+    time_bf16,
+    time_graph,
+)
 
 from mxfp8_convert.runtime import MXFP8Weight  # noqa: E402
 from mxfp8_convert.runtime.hopper.config import GemmConfig, Kernel, cdiv  # noqa: E402
@@ -221,6 +227,15 @@ def pdl_variant(cfg: GemmConfig, variant: str) -> GemmConfig:
     return dataclasses.replace(cfg, pdl=on, prefetch=on, red_release=on and cfg.split_k > 1)
 
 
+def mx_copies(x, w):
+    """Rotating copies of the MXFP8 weight ``w`` and of ``x`` (operands from HBM), kept to
+    time several configs on them: ``(weights, activations, count)``."""
+    (m, k), n = x.shape, w.shape[0]
+    cm = n_copies(n * k + n * k // 32 + m * k * 2, m * n * 2)
+    ws = [MXFP8Weight(w.data.clone(), w.scale.clone(), w.layout) for _ in range(cm)]
+    return ws, [x.clone() for _ in range(cm)], cm
+
+
 def pdl_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> None:
     """Every row where the rule takes dqmma (trtllm): the rule's config in each of
     :data:`PDL_VARIANTS`, timed side by side with bf16, each checked against the float64
@@ -241,16 +256,8 @@ def pdl_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> Non
         wbf = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
         for m in todo:
             x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            cb = n_copies(n * k * 2 + m * k * 2, m * n * 2)
-            wbs = [wbf.clone() for _ in range(cb)]
-            xs = [x.clone() for _ in range(cb)]
-            t_bf = time_graph(
-                lambda i, xs=xs, wbs=wbs: lambda: torch.nn.functional.linear(xs[i], wbs[i]), cb
-            )
-            del wbs
-            cm = n_copies(n * k + n * k // 32 + m * k * 2, m * n * 2)
-            ws = [MXFP8Weight(w.data.clone(), w.scale.clone(), w.layout) for _ in range(cm)]
-            xs = [x.clone() for _ in range(cm)]
+            t_bf = time_bf16(x, wbf)
+            ws, xs, cm = mx_copies(x, w)
             rule = choose_config(m, n, k, facts)
             row = {"shape": name, "m": m, "n": n, "k": k, "bf16_ms": t_bf,
                    "config": rule.to_dict(), "variants": {}}
@@ -319,16 +326,8 @@ def main() -> int:
         xmax = torch.randn(max(ms), k, device="cuda", dtype=torch.bfloat16)
         for m in ms:
             x = xmax[:m].contiguous()
-            cb = n_copies(n * k * 2 + m * k * 2, m * n * 2)
-            wbs = [wbf.clone() for _ in range(cb)]
-            xs = [x.clone() for _ in range(cb)]
-            t_bf = time_graph(
-                lambda i, xs=xs, wbs=wbs: lambda: torch.nn.functional.linear(xs[i], wbs[i]), cb
-            )
-            del wbs
-            cm = n_copies(n * k + n * k // 32 + m * k * 2, m * n * 2)
-            ws = [MXFP8Weight(w.data.clone(), w.scale.clone(), w.layout) for _ in range(cm)]
-            xs = [x.clone() for _ in range(cm)]
+            t_bf = time_bf16(x, wbf)
+            ws, xs, cm = mx_copies(x, w)
             res = []
             cands = (candidates if a.narrow else all_candidates)(m, n, k, facts)
             if a.launch:
