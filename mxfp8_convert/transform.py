@@ -255,9 +255,14 @@ class ShardTransform:
         return self.pending[m.name]
 
     def _compute(self, m: ModulePlan) -> tuple[torch.Tensor, torch.Tensor, QuantError | None]:
+        return canonical_module(*self._arguments(m))
+
+    def _arguments(self, m: ModulePlan) -> tuple:
+        """``canonical_module``'s arguments for ``m``, its source tensors opened on this thread
+        (the shard readers are not shared with the helpers)."""
         scale = self.source(m.scale) if m.scale is not None else None
         src = BACKENDS[m.source_backend] if m.source_backend else None
-        return canonical_module(m, self.source(m.weight), scale, src)
+        return m, self.source(m.weight), scale, src
 
     def _ahead(self, m: ModulePlan) -> Future | None:
         """The computation of ``m`` if it runs (or ran) on a helper, after submitting the
@@ -279,10 +284,8 @@ class ShardTransform:
             self._next += 1
             if nxt.name in self.pending:  # computed here already (produced out of order)
                 continue
-            scale = self.source(nxt.scale) if nxt.scale is not None else None
-            src = BACKENDS[nxt.source_backend] if nxt.source_backend else None
             self._futures[nxt.name] = self._helpers.submit(
-                canonical_module, nxt, self.source(nxt.weight), scale, src)
+                canonical_module, *self._arguments(nxt))
 
     def _from_canonical(self, t: TensorPlan, m: ModulePlan, sink: Sink) -> Iterator[int]:
         """Sources whose canonical bytes must be computed first (laid out, FP8, dense): one
