@@ -443,14 +443,13 @@ def tile_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
 def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 64,
                  block_m: int = 0, stages: int = 3, waves: float = 0.0,
                  specialized: bool = False) -> GemmConfig:
-    """The dequantizing wgmma kernel (``dqmma.py``): ``block_n`` weight rows and ``block_m``
-    tokens per program (default: 32 up to M = 32, 64 up to M = 128, 128 up to M = 256 where N <=
-    ``dqmma_narrow_n``, else 256), ``stages`` TMA
-    buffers; split-K to ~``waves`` x SMs programs (at most that many where one program fills an
-    SM: the specialized kernel, 256 tokens) (default ``dqmma_waves`` up to M = 128, else
-    ``dqmma_wide_waves``), at least ``dqmma_min_split_tiles`` K-tiles a split, none where the
-    tiles fill ``dqmma_tail_waves`` waves (above M = 128: ``dqmma_wide_unsplit_share`` of the
-    SMs) (:data:`TUNED`)."""
+    """The dequantizing wgmma kernel (``dqmma.py``): ``block_n`` weight rows and ``block_m`` tokens
+    per program (default: 32 up to M = 32, 64 up to M = 128, 128 up to M = 256 where N <=
+    ``dqmma_narrow_n``, else 256), ``stages`` TMA buffers; split-K to ~``waves`` x SMs programs (at
+    most that many where one program fills an SM: the specialized kernel, 128 or 256 tokens)
+    (default ``dqmma_waves`` up to M = 128, else ``dqmma_wide_waves``), at least
+    ``dqmma_min_split_tiles`` K-tiles a split, none where the tiles fill ``dqmma_tail_waves`` waves
+    (above M = 128: ``dqmma_wide_unsplit_share`` of the SMs) (:data:`TUNED`)."""
     t = TUNED
     bm = block_m or (32 if m <= 32 else 64 if m <= 128 else
                      128 if m <= 256 and n <= t.dqmma_narrow_n else 256)
@@ -492,12 +491,11 @@ def dqmma_launch(cfg: GemmConfig, n: int, k: int, facts: DeviceFacts) -> GemmCon
 
 def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
     """Serving batches on Hopper with Gluon, M = 17 .. ``dqmma_max_m``, K % 128 == 0 (else None):
-    :func:`dqmma_config` (warp-specialized where :func:`specialized_wins`: 128-row programs of
-    128 or 256 tokens); at M <= ``serve_wgmma_max_m`` the FP8 wgmma kernel instead (128-row
-    programs, split-K to ~``serve_wgmma_waves`` waves, at most ``serve_wgmma_per_sm`` programs
-    per SM, summed by a second kernel,
-    :func:`launch_options`) unless the weight's 64-row tiles fill the SMs or K >=
-    ``serve_dqmma_min_k``; above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` (None:
+    :func:`dqmma_config` (warp-specialized where :func:`specialized_wins`: 128-row programs of 128
+    or 256 tokens); at M <= ``serve_wgmma_max_m`` the FP8 wgmma kernel instead (128-row programs,
+    split-K to ~``serve_wgmma_waves`` waves, at most ``serve_wgmma_per_sm`` programs per SM, summed
+    by a second kernel, :func:`launch_options`) unless the weight's 64-row tiles fill the SMs or
+    K >= ``serve_dqmma_min_k``; above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` (None:
     cuBLAS) (:data:`TUNED`)."""
     t = TUNED
     if (not facts.hopper or not facts.gluon or k % WGMMA_BLOCK_K
