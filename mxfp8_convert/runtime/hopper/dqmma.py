@@ -288,10 +288,7 @@ def _ws_part(w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_pt
             _gdc_wait_and_release()
             if PREFETCH:
                 for s in gl.static_range(STAGES):
-                    _tma_load(x_desc, [m0, (kt0 + s) * 128], full.index(s), x_s.index(2 * s),
-                              pred=s < n_it)
-                    _tma_load(x_desc, [m0, (kt0 + s) * 128 + 64], full.index(s),
-                              x_s.index(2 * s + 1), pred=s < n_it)
+                    _issue_x(x_desc, x_s, full.index(s), s, m0, (kt0 + s) * 128, s < n_it)
                 start = STAGES
         for i in range(start, n_it):
             stage = i % STAGES
