@@ -58,7 +58,12 @@ from triton.experimental.gluon.nvidia.hopper import TensorDescriptor
 
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.runtime.hopper.config import cdiv
-from mxfp8_convert.runtime.hopper.jit import _p32_logical, _pow2_f32, _scale_row_base
+from mxfp8_convert.runtime.hopper.jit import (
+    FP_FUSION,
+    _p32_logical,
+    _pow2_f32,
+    _scale_row_base,
+)
 from mxfp8_convert.runtime.hopper.wgmma import LAYOUT_CODE, _gdc_wait_and_release, _tma_load
 from mxfp8_convert.runtime.weight import MXFP8Weight
 
@@ -464,7 +469,7 @@ def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out:
             split_k, LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None,
             PARTIAL=partial, STAGES=stages, FAST=fast, CONS=cons, CONS_REGS=WS_CONS_REGS[cons],
             PDL=pdl, PREFETCH=prefetch and pdl, num_warps=4, maxnreg=WS_MAXNREG[cons],
-            **({"launch_pdl": True} if pdl else {}),
+            enable_fp_fusion=FP_FUSION, **({"launch_pdl": True} if pdl else {}),
         )
         return
     _dqmma_kernel[(cdiv(n, block_n) * cdiv(m, block_m), split_k)](
@@ -472,5 +477,5 @@ def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out:
         ws if partial else out, m, n, k, out.stride(0), m * n, (k // 32 + 3) // 4, split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
         STAGES=stages, FAST=fast, PDL=pdl, PREFETCH=prefetch and pdl, num_warps=block_n // 16,
-        **({"launch_pdl": True} if pdl else {}),
+        enable_fp_fusion=FP_FUSION, **({"launch_pdl": True} if pdl else {}),
     )

@@ -29,6 +29,7 @@ import triton.language as tl
 
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.runtime.hopper.jit import (
+    FP_FUSION,
     _dequant_weight,
     _load_codes,
     _mx_fake_quant,
@@ -194,7 +195,7 @@ def grouped_gemm(
         tiles, n, k, a.stride(0), n * k, s_words[0].numel(), k // 128,
         GATHER=src is not None, SWIGLU=swiglu, DOT_BF16=a.device.type == "cuda",
         BLOCK_N=config.block_n, BLOCK_M=config.block_m, BLOCK_K=config.block_k,
-        num_warps=config.num_warps, num_stages=config.num_stages,
+        num_warps=config.num_warps, num_stages=config.num_stages, enable_fp_fusion=FP_FUSION,
     )
     return out
 

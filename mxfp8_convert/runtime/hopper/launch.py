@@ -35,7 +35,7 @@ from mxfp8_convert.runtime.hopper.config import (
 from mxfp8_convert.runtime.hopper.decode import _mxfp8_decode_kernel
 from mxfp8_convert.runtime.hopper.dequant import _dequantize_weight_kernel
 from mxfp8_convert.runtime.hopper.gemv import _mxfp8_gemv_kernel
-from mxfp8_convert.runtime.hopper.jit import LAYOUT_CODE
+from mxfp8_convert.runtime.hopper.jit import FP_FUSION, LAYOUT_CODE
 from mxfp8_convert.runtime.hopper.quantize import _quantize_kernel
 from mxfp8_convert.runtime.hopper.reduce import _splitk_reduce_kernel
 from mxfp8_convert.runtime.hopper.rules import choose_config
@@ -104,7 +104,7 @@ def quantize_activations(
     grid = (cdiv(m, block_m), cdiv(k, block_k))
     _quantize_kernel[grid](x, deq, q, code, m, k, x.stride(0), WRITE_DEQ=dequantized,
                            WRITE_Q=codes, BLOCK_M=block_m, BLOCK_K=block_k, PERM_DEQ=permuted,
-                           PDL=pdl, num_warps=4,
+                           PDL=pdl, num_warps=4, enable_fp_fusion=FP_FUSION,
                            **({"launch_pdl": True} if pdl else {}))
     if dequantized:
         out["deq"] = deq.view(m, 4, k // 4) if permuted else deq
@@ -158,7 +158,7 @@ def _reduce_splits(ws: torch.Tensor, bias: torch.Tensor, out: torch.Tensor, cfg:
     _splitk_reduce_kernel[(cdiv(total, block),)](
         ws, bias, out, out.shape[1], total, total, cfg.split_k, HAS_BIAS=has_bias, BLOCK=block,
         PDL=pdl, CHUNK=cfg.red_chunk, RELEASE=cfg.red_release, P32=p32, num_warps=4,
-        **({"launch_pdl": True} if pdl else {}),
+        enable_fp_fusion=FP_FUSION, **({"launch_pdl": True} if pdl else {}),
     )
 
 
@@ -258,7 +258,8 @@ def _stream_launch(kernel, xs: tuple[torch.Tensor, ...], stride_xm: int, wdata: 
         m, n, k, stride_xm, wdata.stride(0), out.stride(0), m * n, c, cp4, cfg.split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=has_bias, BLOCK_N=cfg.block_n,
         BLOCK_M=cfg.block_m, BLOCK_K=cfg.block_k, PARTIAL=partial, SERIAL=serial,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages, **constexprs,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages, enable_fp_fusion=FP_FUSION,
+        **constexprs,
     )
     if partial and not serial:
         _reduce_splits(ws, bias_t, out, cfg, has_bias)
@@ -302,7 +303,7 @@ def _quantize_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bk = min(128, next_pow2(k))
     _quantize_kernel[(cdiv(m, 16), cdiv(k, bk))](
         x, x, xq, xc, m, k, x.stride(0), WRITE_DEQ=False, WRITE_Q=True, BLOCK_M=16, BLOCK_K=bk,
-        num_warps=4)
+        num_warps=4, enable_fp_fusion=FP_FUSION)
     return xq.view(torch.float8_e4m3fn), xc
 
 
@@ -416,7 +417,7 @@ def dequantize_weight(
         weight.data, _scale_operand(weight), out, stop, start, weight.data.stride(0),
         out.stride(0), c, cp4, LAYOUT=LAYOUT_CODE[weight.layout],
         DOT_BF16=out.dtype == torch.bfloat16, BLOCK_N=block_n, BLOCK_K=bk,
-        num_warps=4,
+        num_warps=4, enable_fp_fusion=FP_FUSION,
     )
     return out
 
