@@ -19,6 +19,7 @@ import pytest
 import torch
 
 wgmma_mod = pytest.importorskip("mxfp8_convert.runtime.hopper.wgmma")
+from mxfp8_convert.runtime.hopper.jit import FP_FUSION  # noqa: E402  (compiled as launched)
 
 
 def _sass(
@@ -33,6 +34,7 @@ def _sass(
     block_n: int = 64,
     prefetch: bool = False,
     x_prefetch: bool = False,
+    wide_inflight: int = 2,
 ) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -96,6 +98,7 @@ def _sass(
             "PREFETCH": prefetch,
             "PHYS": False,
             "X_PREFETCH": x_prefetch,
+            "WIDE_INFLIGHT": wide_inflight,
             "num_warps": block_n // 16,
         }
     )
@@ -107,7 +110,8 @@ def _sass(
         fn=wgmma_mod._wgmma_decode_kernel, signature=sig, constexprs=const, attrs=attrs
     )
     kernel = triton.compile(
-        src, target=GPUTarget("cuda", 90, 32), options={"num_warps": block_n // 16}
+        src, target=GPUTarget("cuda", 90, 32),
+        options={"num_warps": block_n // 16, "enable_fp_fusion": FP_FUSION},
     )
     assert kernel.metadata.shared <= 64 * 1024
     cubin = kernel.asm["cubin"]
@@ -475,11 +479,12 @@ def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool,
            "stride_om": "i32", "stride_os": "i32", "scale_cp4": "i32", "split_k": "i32"}
     const = {"LAYOUT": dqmma.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": partial,
              "STAGES": stages, "FAST": fast, "PDL": pdl, "PREFETCH": prefetch}
-    fn, options = dqmma._dqmma_kernel, {"num_warps": block_n // 16}
+    fn, options = dqmma._dqmma_kernel, {"num_warps": block_n // 16, "enable_fp_fusion": FP_FUSION}
     if specialized:
         cons = block_n // 64
         const.update(CONS=cons, CONS_REGS=dqmma.WS_CONS_REGS[cons])
-        fn, options = dqmma._dqmma_ws_kernel, {"num_warps": 4, "maxnreg": dqmma.WS_MAXNREG[cons]}
+        fn, options = dqmma._dqmma_ws_kernel, {"num_warps": 4, "maxnreg": dqmma.WS_MAXNREG[cons],
+                                               "enable_fp_fusion": FP_FUSION}
     const["num_warps"] = options["num_warps"]
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
