@@ -289,84 +289,6 @@ def pdl_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> Non
                       f"max {max(r):.2f} ({len(r)} rows)")
 
 
-def wide_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
-    """The FP8 wgmma kernel's 128-row programs of up to 64 tokens (one an SM by registers), K
-    split to fill the SMs once or half of them, partials summed by a second kernel, with the
-    rule's launch options (:func:`rules.launch_options`)."""
-    from mxfp8_convert.runtime.hopper.rules import launch_options, wgmma_config
-
-    cap = max(1, facts.sms // cdiv(n, 128))
-    out, seen = [], set()
-    for split in (cap, max(1, cap // 2)):
-        c = wgmma_config(m, n, k, facts, waves=16, fuse_quant=True, sw_ahead=2,
-                         max_split=min(16, split), block_n=128, serial_reduce=False)
-        c = launch_options(dataclasses.replace(c, serial_reduce=c.split_k == 1), m, facts)
-        if c.split_k not in seen:
-            seen.add(c.split_k)
-            out.append(c)
-    return out
-
-
-def wide_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> None:
-    """M = 33..64 (trtllm): bf16, the rule's config and the FP8 kernel's 128-row programs
-    (:func:`wide_configs`) with two or four MMAs in flight (``wgmma._WIDE_INFLIGHT``), side by
-    side, each checked against the float64 reference (``sweep_wide.json``)."""
-    from mxfp8_convert.runtime.hopper import wgmma
-    from mxfp8_convert.runtime.hopper.probe import device_facts
-    from mxfp8_convert.runtime.hopper.rules import choose_config
-
-    facts = device_facts(torch.device("cuda"))
-    rows = []
-    for name, n, k in shapes:
-        if time.time() - t0 > budget:
-            print("budget spent", flush=True)
-            break
-        w, q, code = random_weight(n, k, "trtllm")
-        wbf = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
-        for m in ms:
-            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-            t_bf = time_bf16(x, wbf)
-            ws, xs, cm = mx_copies(x, w)
-            rule = choose_config(m, n, k, facts)
-            runs = [("rule", rule, None)] + [
-                (f"{label(c)}/if{inflight}", c, inflight)
-                for c in wide_configs(m, n, k, facts) for inflight in (2, 4)]
-            row = {"shape": name, "m": m, "n": n, "k": k, "bf16_ms": t_bf,
-                   "rule": rule.to_dict(), "variants": {}}
-            for key, cfg, inflight in runs:
-                if inflight:
-                    wgmma._WIDE_INFLIGHT = inflight
-                t = time_graph(lambda i, c=cfg, xs=xs, ws=ws: (
-                    lambda: triton_linear(xs[i], ws[i], config=c)), cm)
-                o = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
-                triton_linear(x, w, out=o, config=cfg)
-                row["variants"][key] = {"ms": t, "ratio": t_bf / t, "config": cfg.to_dict(),
-                                        "inflight": inflight, "rel_err": rel_err(o, x, q, code),
-                                        "unwritten": int(o.isnan().sum())}
-            wgmma._WIDE_INFLIGHT = 2
-            del ws, xs
-            rows.append(row)
-            cols = [f"{v} {r['ms'] * 1e3:5.1f} x{r['ratio']:.2f}"
-                    + (" BAD" if r["rel_err"] > 1e-2 or r["unwritten"] else "")
-                    for v, r in row["variants"].items()]
-            print(f"{name:32s} M={m:3d} bf16 {t_bf * 1e3:5.1f} us  " + "  ".join(cols),
-                  flush=True)
-        del w, wbf
-        torch.cuda.empty_cache()
-        out.mkdir(parents=True, exist_ok=True)
-        (out / "sweep_wide.json").write_text(json.dumps(rows, indent=1))
-    for m in ms:
-        sub = [r for r in rows if r["m"] == m]
-        if not sub:
-            continue
-        best = [max(v["ratio"] for k_, v in r["variants"].items() if k_ != "rule") for r in sub]
-        rule = [r["variants"]["rule"]["ratio"] for r in sub]
-        both = [max(a, b) for a, b in zip(best, rule, strict=True)]
-        print(f"M={m:3d} rule min {min(rule):.2f} median {median(rule):.2f}; FP8 best min "
-              f"{min(best):.2f} median {median(best):.2f}; per-row best min {min(both):.2f} "
-              f"median {median(both):.2f} ({len(sub)} rows)")
-
-
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="32,64,128,256,512,2048")
@@ -380,8 +302,6 @@ def main() -> int:
                     help="dqmma candidates with the rule's launch options (PDL by weight size)")
     ap.add_argument("--narrow", action="store_true",
                     help="only the rule, the one-chain rule and the specialized tiles")
-    ap.add_argument("--wide", action="store_true",
-                    help="the rule against the FP8 kernel's 128-row programs of 33..64 tokens")
     a = ap.parse_args()
     t0 = time.time()
     if a.check and not check():
@@ -392,9 +312,6 @@ def main() -> int:
     shapes = [s for s in MODEL_SHAPES if not pats or any(p in s[0] for p in pats)]
     if a.pdl:
         pdl_sweep(ms, shapes, Path(a.out), t0, a.budget)
-        return 0
-    if a.wide:
-        wide_sweep(ms, shapes, Path(a.out), t0, a.budget)
         return 0
     rows = []
     from mxfp8_convert.runtime.hopper.probe import device_facts

@@ -34,7 +34,6 @@ def _sass(
     block_n: int = 64,
     prefetch: bool = False,
     x_prefetch: bool = False,
-    wide_inflight: int = 2,
 ) -> str:
     import triton
     from triton.backends.compiler import GPUTarget
@@ -98,7 +97,6 @@ def _sass(
             "PREFETCH": prefetch,
             "PHYS": False,
             "X_PREFETCH": x_prefetch,
-            "WIDE_INFLIGHT": wide_inflight,
             "num_warps": block_n // 16,
         }
     )

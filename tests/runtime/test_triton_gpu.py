@@ -359,45 +359,6 @@ def test_wgmma_configs_agree(layout, n, m):
     assert torch.equal(chunked[0], chunked[1]) and torch.equal(chunked[0], chunked[2])
 
 
-@pytest.mark.parametrize("layout,n", [("trtllm", 576), ("cutlass", 544)])
-@pytest.mark.parametrize("m", [33, 64])
-def test_wgmma_wide_token_programs_agree(layout, n, m):
-    """The FP8 wgmma kernel's 128-row programs of 33..64 tokens (64-column MMAs, each warp
-    quantizing half of a 32-block's 64 rows; rows past M read zeros): activations quantized
-    inside (as int32 words or element by element) or by the quantization kernel (e4m3 by TMA),
-    K unsplit, split with the partials summed by the last program or by a second kernel (in
-    logical or physical row order), with and without the programmatic dependent launch and the
-    weight's first tiles before its wait, bias, N tails (544 = 4.25 x 128); each config twice.
-    Every config sums each 32-block's products in the same order, so all of one split give the
-    same bits."""
-    tri = _triton()
-    if torch.cuda.get_device_capability()[0] != 9 or _gluon() is None:
-        pytest.skip("needs Hopper and Triton's Gluon")
-    k = 7168
-    w, q, code = random_weight(n, k, layout, seed=41 + m)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    x = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-         * torch.logspace(-3, 3, k, device="cuda").bfloat16())
-    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t() + bias.double()
-    facts = _facts()
-    pdl = tri.pdl_enabled(torch.device("cuda"))
-    for waves in (0.01, 1.0, 3.0):
-        base = tri.wgmma_config(m, n, k, facts, waves=waves, fuse_quant=True, sw_ahead=2,
-                                block_n=128, serial_reduce=True)
-        assert base.block_n == 128 and (base.split_k > 1) == (waves > 0.01)
-        cfgs = [base, dataclasses.replace(base, x_words=False),
-                dataclasses.replace(base, fuse_quant=False)]
-        if base.split_k > 1:
-            two = dataclasses.replace(base, serial_reduce=False)
-            cfgs += [two, dataclasses.replace(two, phys_partials=True)]
-            if pdl:  # the serving rule's options
-                from mxfp8_convert.runtime.hopper.rules import launch_options
-
-                cfgs.append(launch_options(two, m, facts))
-        outs = [_check_twice(tri, x, w, bias, ref, cfg) for cfg in cfgs]
-        assert all(torch.equal(outs[0], o) for o in outs[1:]), waves
-
-
 def test_wgmma_cluster_launch_and_its_fallback():
     """A cluster config's kernel is launched as clusters of its split (Triton compiles it for one
     CTA; ``wgmma.py`` makes its launcher ask for the clusters), and the same kernel launched

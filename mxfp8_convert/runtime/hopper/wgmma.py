@@ -105,9 +105,6 @@ LAYOUT_CODE = {"cutlass": 0, "trtllm": 1}
 BLOCK_N = 64  # weight rows per program: one warpgroup's wgmma M (``block_n=128``: two warpgroups)
 BLOCK_K = 128  # K per pipeline stage: four 32-blocks, one 128x4 scale word per row
 MAX_M = 32  # activation rows: the quantized tile is one row per thread of a warp
-#: ... of a program of two warpgroups (``block_n=128``), each warp quantizing half the rows
-MAX_M_WIDE = 64
-_WIDE_INFLIGHT = 2
 
 
 @gluon.jit
@@ -290,15 +287,6 @@ def _rescale(acc, part, sw_word, sx, j: gl.constexpr):
 
 
 @gluon.jit
-def _sx(xs_rows, xb, sx, j: gl.constexpr, col_l: gl.constexpr, FUSE_QUANT: gl.constexpr):
-    """Block ``j``'s activation scales: from shared memory (activations quantized here), else
-    ``sx`` (loaded from the codes beforehand)."""
-    if FUSE_QUANT:
-        sx = xs_rows.index(xb * 4 + j).load(col_l)
-    return sx
-
-
-@gluon.jit
 def _store_tile(acc, b_ptr, out_ptr, off, mask, lrows, N, HAS_BIAS: gl.constexpr):
     """Store a program's whole ``[BN, BM]`` result (+ the bias of its logical rows ``lrows``) at
     ``out_ptr + off``, in the output's dtype."""
@@ -344,7 +332,6 @@ def _wgmma_decode_kernel(
     PREFETCH: gl.constexpr,
     PHYS: gl.constexpr,
     X_PREFETCH: gl.constexpr,
-    WIDE_INFLIGHT: gl.constexpr,
     num_warps: gl.constexpr,
 ):
     if PDL and not PREFETCH:  # before any access to memory
@@ -506,13 +493,10 @@ def _wgmma_decode_kernel(
             _quantize_tile(xt, x_s.index(xb), xs_s.index(xb), x4_l)
             fence_async_shared()  # the threads' stores, before the wgmma (async proxy) reads them
             _cta_barrier()  # every warp's blocks of the tile are stored
-            if BM <= 32 or WIDE_INFLIGHT == 2:
-                sx0 = xs_rows.index(xb * 4 + 0).load(col_l)
-                sx1 = xs_rows.index(xb * 4 + 1).load(col_l)
-                sx2 = xs_rows.index(xb * 4 + 2).load(col_l)
-                sx3 = xs_rows.index(xb * 4 + 3).load(col_l)
-            else:  # loaded by each block's rescale
-                sx0, sx1, sx2, sx3 = 0, 0, 0, 0
+            sx0 = xs_rows.index(xb * 4 + 0).load(col_l)
+            sx1 = xs_rows.index(xb * 4 + 1).load(col_l)
+            sx2 = xs_rows.index(xb * 4 + 2).load(col_l)
+            sx3 = xs_rows.index(xb * 4 + 3).load(col_l)
         else:
             sn0 = _pow2_f32(gl.load(xc_ptrs + kn * 4))
             sn1 = _pow2_f32(gl.load(xc_ptrs + kn * 4 + 1))
@@ -520,49 +504,18 @@ def _wgmma_decode_kernel(
             sn3 = _pow2_f32(gl.load(xc_ptrs + kn * 4 + 3))
             xb = stage
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
-        if BM <= 32:  # four MMAs in flight, each waited for and rescaled in turn
-            p_0 = _part(w_s, x_s, stage, xb, zero, 0)
-            p_1 = _part(w_s, x_s, stage, xb, zero, 1)
-            p_2 = _part(w_s, x_s, stage, xb, zero, 2)
-            p_3 = _part(w_s, x_s, stage, xb, zero, 3)
-            p_0 = warpgroup_mma_wait(num_outstanding=3, deps=(p_0,))
-            acc = _rescale(acc, p_0, sw_word, sx0, 0)
-            p_1 = warpgroup_mma_wait(num_outstanding=2, deps=(p_1,))
-            acc = _rescale(acc, p_1, sw_word, sx1, 1)
-            p_2 = warpgroup_mma_wait(num_outstanding=1, deps=(p_2,))
-            acc = _rescale(acc, p_2, sw_word, sx2, 2)
-            p_3 = warpgroup_mma_wait(num_outstanding=0, deps=(p_3,))
-            acc = _rescale(acc, p_3, sw_word, sx3, 3)
-        elif WIDE_INFLIGHT == 2:  # 64 columns: two in flight (four would take 4 x 32
-            # accumulator registers a thread besides the sum's 32, and spill), the next issued
-            # once one is rescaled
-            p_0 = _part(w_s, x_s, stage, xb, zero, 0)
-            p_1 = _part(w_s, x_s, stage, xb, zero, 1)
-            p_0 = warpgroup_mma_wait(num_outstanding=1, deps=(p_0,))
-            acc = _rescale(acc, p_0, sw_word, sx0, 0)
-            p_2 = _part(w_s, x_s, stage, xb, zero, 2)
-            p_1 = warpgroup_mma_wait(num_outstanding=1, deps=(p_1,))
-            acc = _rescale(acc, p_1, sw_word, sx1, 1)
-            p_3 = _part(w_s, x_s, stage, xb, zero, 3)
-            p_2 = warpgroup_mma_wait(num_outstanding=1, deps=(p_2,))
-            acc = _rescale(acc, p_2, sw_word, sx2, 2)
-            p_3 = warpgroup_mma_wait(num_outstanding=0, deps=(p_3,))
-            acc = _rescale(acc, p_3, sw_word, sx3, 3)
-        else:  # 64 columns: four in flight too, each block's activation scales loaded from
-            # shared memory just before its rescale (all four up front, with the four
-            # accumulators of 32 registers a thread besides the sum's, spilled)
-            p_0 = _part(w_s, x_s, stage, xb, zero, 0)
-            p_1 = _part(w_s, x_s, stage, xb, zero, 1)
-            p_2 = _part(w_s, x_s, stage, xb, zero, 2)
-            p_3 = _part(w_s, x_s, stage, xb, zero, 3)
-            p_0 = warpgroup_mma_wait(num_outstanding=3, deps=(p_0,))
-            acc = _rescale(acc, p_0, sw_word, _sx(xs_rows, xb, sx0, 0, col_l, FUSE_QUANT), 0)
-            p_1 = warpgroup_mma_wait(num_outstanding=2, deps=(p_1,))
-            acc = _rescale(acc, p_1, sw_word, _sx(xs_rows, xb, sx1, 1, col_l, FUSE_QUANT), 1)
-            p_2 = warpgroup_mma_wait(num_outstanding=1, deps=(p_2,))
-            acc = _rescale(acc, p_2, sw_word, _sx(xs_rows, xb, sx2, 2, col_l, FUSE_QUANT), 2)
-            p_3 = warpgroup_mma_wait(num_outstanding=0, deps=(p_3,))
-            acc = _rescale(acc, p_3, sw_word, _sx(xs_rows, xb, sx3, 3, col_l, FUSE_QUANT), 3)
+        p_0 = _part(w_s, x_s, stage, xb, zero, 0)
+        p_1 = _part(w_s, x_s, stage, xb, zero, 1)
+        p_2 = _part(w_s, x_s, stage, xb, zero, 2)
+        p_3 = _part(w_s, x_s, stage, xb, zero, 3)
+        p_0 = warpgroup_mma_wait(num_outstanding=3, deps=(p_0,))
+        acc = _rescale(acc, p_0, sw_word, sx0, 0)
+        p_1 = warpgroup_mma_wait(num_outstanding=2, deps=(p_1,))
+        acc = _rescale(acc, p_1, sw_word, sx1, 1)
+        p_2 = warpgroup_mma_wait(num_outstanding=1, deps=(p_2,))
+        acc = _rescale(acc, p_2, sw_word, sx2, 2)
+        p_3 = warpgroup_mma_wait(num_outstanding=0, deps=(p_3,))
+        acc = _rescale(acc, p_3, sw_word, sx3, 3)
         if SW_AHEAD == 1:
             sw_word = sw_new
         elif SW_AHEAD == 2:
@@ -723,11 +676,9 @@ def wgmma_decode(
         raise ValueError(f"block_n={block_n}: 64, or 128 (two warpgroups) from M = 3")
     if not 1 <= sw_ahead <= 3:
         raise ValueError(f"sw_ahead={sw_ahead}: 1, 2 or 3")
-    max_m = MAX_M_WIDE if block_n == 128 else MAX_M
-    if m > max_m or not supported(weight, k) or x.stride(1) != 1:
+    if m > MAX_M or not supported(weight, k) or x.stride(1) != 1:
         raise LayoutError(
-            f"{weight.name or 'weight'}: the wgmma decode kernel needs M <= {max_m} "
-            f"({block_n}-row programs), "
+            f"{weight.name or 'weight'}: the wgmma decode kernel needs M <= {MAX_M}, "
             "K % 128 == 0, a trtllm/cutlass weight and 16-byte aligned contiguous bytes"
         )
     fuse = x.dtype != torch.float8_e4m3fn
@@ -799,7 +750,6 @@ def wgmma_decode(
         PREFETCH=early,
         PHYS=phys_partials,
         X_PREFETCH=x_prefetch and early,
-        WIDE_INFLIGHT=_WIDE_INFLIGHT if bm > 32 else 4,
         num_warps=block_n // 16,
         enable_fp_fusion=FP_FUSION,
         **({"launch_pdl": True} if pdl else {}),
