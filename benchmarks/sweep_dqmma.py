@@ -289,6 +289,80 @@ def pdl_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> Non
                       f"max {max(r):.2f} ({len(r)} rows)")
 
 
+def tokens_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
+    """The one-chain dqmma kernel's programs of 128 tokens (64 or 128 weight rows: one or two
+    warpgroups; one an SM by shared memory), rings of 3 or 4, K split to about one or two waves,
+    with the rule's launch options (:func:`rules.dqmma_launch`)."""
+    from mxfp8_convert.runtime.hopper.rules import dqmma_config, dqmma_launch
+
+    out, seen = [], set()
+    for bn in (64, 128):
+        for st in (3, 4):
+            for waves in (1.0, 2.0):
+                c = dqmma_launch(dqmma_config(m, n, k, facts, block_n=bn, block_m=128, stages=st,
+                                              waves=waves), n, k, facts)
+                key = tuple(sorted(c.to_dict().items()))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(c)
+    return out
+
+
+def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> None:
+    """M = 65..128 (trtllm): bf16, the rule's config (and without its PDL chain) and
+    :func:`tokens_configs` side by side, each checked against the float64 reference
+    (``sweep_tokens.json``)."""
+    from mxfp8_convert.runtime.hopper.probe import device_facts
+    from mxfp8_convert.runtime.hopper.rules import choose_config
+
+    facts = device_facts(torch.device("cuda"))
+    rows = []
+    for name, n, k in shapes:
+        if time.time() - t0 > budget:
+            print("budget spent", flush=True)
+            break
+        w, q, code = random_weight(n, k, "trtllm")
+        wbf = torch.randn(n, k, device="cuda", dtype=torch.bfloat16)
+        for m in ms:
+            x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+            t_bf = time_bf16(x, wbf)
+            ws, xs, cm = mx_copies(x, w)
+            rule = choose_config(m, n, k, facts)
+            runs = [("rule", rule)] + [(label(c), c) for c in tokens_configs(m, n, k, facts)]
+            if rule.pdl:  # and the rule's config without the PDL chain
+                runs.append(("rule-nopdl", pdl_variant(rule, "off")))
+            row = {"shape": name, "m": m, "n": n, "k": k, "bf16_ms": t_bf, "variants": {}}
+            for key, cfg in runs:
+                t = time_graph(lambda i, c=cfg, xs=xs, ws=ws: (
+                    lambda: triton_linear(xs[i], ws[i], config=c)), cm)
+                o = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
+                triton_linear(x, w, out=o, config=cfg)
+                row["variants"][key] = {"ms": t, "ratio": t_bf / t, "config": cfg.to_dict(),
+                                        "rel_err": rel_err(o, x, q, code),
+                                        "unwritten": int(o.isnan().sum())}
+            del ws, xs
+            rows.append(row)
+            cols = [f"{v} {r['ms'] * 1e3:5.1f} x{r['ratio']:.2f}"
+                    + (" BAD" if r["rel_err"] > 1e-2 or r["unwritten"] else "")
+                    for v, r in row["variants"].items()]
+            print(f"{name:32s} M={m:3d} bf16 {t_bf * 1e3:5.1f} us  " + "  ".join(cols),
+                  flush=True)
+        del w, wbf
+        torch.cuda.empty_cache()
+        out.mkdir(parents=True, exist_ok=True)
+        (out / "sweep_tokens.json").write_text(json.dumps(rows, indent=1))
+    for m in ms:
+        sub = [r for r in rows if r["m"] == m]
+        if not sub:
+            continue
+        best = [max(v["ratio"] for k_, v in r["variants"].items() if k_ != "rule") for r in sub]
+        rule = [r["variants"]["rule"]["ratio"] for r in sub]
+        both = [max(a, b) for a, b in zip(best, rule, strict=True)]
+        print(f"M={m:3d} rule min {min(rule):.2f} median {median(rule):.2f}; 128-token best min "
+              f"{min(best):.2f} median {median(best):.2f}; per-row best min {min(both):.2f} "
+              f"median {median(both):.2f} ({len(sub)} rows)")
+
+
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--ms", default="32,64,128,256,512,2048")
@@ -302,6 +376,8 @@ def main() -> int:
                     help="dqmma candidates with the rule's launch options (PDL by weight size)")
     ap.add_argument("--narrow", action="store_true",
                     help="only the rule, the one-chain rule and the specialized tiles")
+    ap.add_argument("--tokens", action="store_true",
+                    help="the rule against the one-chain kernel's 128-token programs")
     a = ap.parse_args()
     t0 = time.time()
     if a.check and not check():
@@ -312,6 +388,9 @@ def main() -> int:
     shapes = [s for s in MODEL_SHAPES if not pats or any(p in s[0] for p in pats)]
     if a.pdl:
         pdl_sweep(ms, shapes, Path(a.out), t0, a.budget)
+        return 0
+    if a.tokens:
+        tokens_sweep(ms, shapes, Path(a.out), t0, a.budget)
         return 0
     rows = []
     from mxfp8_convert.runtime.hopper.probe import device_facts

@@ -163,6 +163,8 @@ def test_cpu_facts():
 #   dqmma: 64-row programs of 32 tokens (M <= 32), 64 (M <= 128) or 256; split-K 1 where the
 #   tiles fill 132 SMs (above M = 128: 66), else min(ceil(waves * 132 / tiles), K-tiles // 4)
 #   (waves 2 up to M = 128, 1 above), then the fewest splits giving the same K-tiles per split;
+#   M = 65..128 where the 64-row tiles fit 132 SMs (128 rows where K >= 12288) or the 128-row
+#   tiles are 99..132: programs of 128 tokens, split min(132 // tiles, K-tiles // 4);
 #   wgmma at M = 17..32 (64-row tiles < 132 and K < 12288): 128-row programs,
 #   split min(ceil(132 / tiles), K-tiles, 16), no empty split, a second kernel sums them, PDL.
 SERVING = [
@@ -181,8 +183,14 @@ SERVING = [
     (64, 14336, 4096, "dqmma", 64, 64, 1),  # 224 tiles >= 165: unsplit
     (64, 4096, 4096, "dqmma", 64, 64, 5),  # 64 tiles: ceil(264/64) = 5 (32 K-tiles // 4 = 8)
     (64, 1024, 2560, "dqmma", 64, 64, 5),  # 16 tiles: 17 -> 20 K-tiles // 4 = 5: 4,4,4,4,4
-    (100, 1024, 4096, "dqmma", 64, 64, 8),  # 16 x 2 tiles: ceil(264/32) = 9 -> 32 // 4 = 8
-    (128, 24576, 1536, "dqmma", 64, 64, 1),  # 384 x 2 tiles
+    (100, 1024, 4096, "dqmma", 64, 128, 8),  # 16 tiles <= 132: 132 // 16 = 8, 32 // 4 = 8
+    (128, 24576, 1536, "dqmma", 64, 64, 1),  # 384 tiles, 192 of 128 rows: 64 tokens, 384 x 2
+    (128, 9728, 2560, "dqmma", 64, 64, 1),  # 152 tiles, 76 of 128 rows < 99: 152 x 2 >= 165
+    (128, 4096, 4096, "dqmma", 64, 128, 2),  # 64 tiles: 132 // 64 = 2
+    (128, 4096, 14336, "dqmma", 128, 128, 4),  # K >= 12288: 32 tiles of 128, 132 // 32 = 4
+    (128, 14336, 4096, "dqmma", 128, 128, 1),  # 224 tiles; 112 of 128 rows in 99..132
+    (128, 7168, 2048, "dqmma", 64, 128, 1),  # 112 tiles: 132 // 112 = 1
+    (128, 576, 7168, "dqmma", 64, 128, 14),  # 9 tiles: 132 // 9 = 14, 56 // 4 = 14
     # 256-token programs fill an SM alone: at most 132 programs, 132 // tiles splits
     (256, 4096, 4096, "dqmma", 64, 256, 2),  # 64 tiles: 132 // 64 = 2
     (256, 2560, 4096, "dqmma", 64, 256, 3),  # 40 tiles: 132 // 40 = 3
@@ -209,7 +217,7 @@ def test_serving_rule_on_an_h200(m, n, k, kind, block_n, block_m, split):
         assert cfg.fuse_quant and not cfg.serial_reduce and cfg.pdl and cfg.phys_partials
         assert cfg.num_warps == 8 and not cfg.cluster
     if kind == "dqmma":
-        assert cfg.num_warps == 4 and cfg.num_stages == 3 and cfg.block_k == 128
+        assert cfg.num_warps == block_n // 16 and cfg.num_stages == 3 and cfg.block_k == 128
         assert not cfg.specialized
         # quantization, kernel and reduction as a PDL chain below 32 M weight elements, the
         # weight's first tiles early

@@ -132,6 +132,16 @@ class Tuning:
     # 2026-12-01: Llama k_proj x0.79 vs x0.63, Qwen k_proj x0.71 vs x0.62, DeepSeek kv_a x0.75 vs
     # x0.55; N = 4096 as fast either way or slower)
     dqmma_narrow_n: int = 1024
+    # M = 65..128: one-chain programs of 128 tokens (one M tile: each weight element dequantized
+    # once, not once per 64 tokens), one an SM by shared memory, K split to ~this many waves,
+    # where the weight's 64-row tiles fit one wave (128 rows per program where K >= this) or its
+    # 128-row tiles fill ws_wide_min_share of one (sweep_dqmma.py --tokens --ms 128,
+    # 2026-12-01 23:44, trtllm: median x0.80 vs x0.70 for 64-token programs on the rows it takes;
+    # DeepSeek expert gate_up x0.97 vs x0.75, Llama down x0.98 vs x0.80, gate_up x0.84 vs
+    # x0.63; two waves of them, or tiles that do not fit one, were slower: Qwen gate_up, DeepSeek
+    # q_b, kv_b, MLP gate_up)
+    dqmma_tall_waves: float = 1.0
+    dqmma_tall_wide_k: int = 12288
     # M = 17 .. 32: the FP8 wgmma kernel (activations quantized inside, 128-row programs, a
     # second kernel sums ~1 wave of splits), except on weights whose 64-row tiles fill the SMs
     # or with K >= serve_dqmma_min_k, where dqmma was faster (Llama gate_up/down, DeepSeek q_b,
@@ -469,6 +479,23 @@ def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 6
                       specialized=specialized)
 
 
+def tall_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
+    """At M = 65..128: the one-chain dqmma kernel's programs of 128 tokens, K split to
+    ``dqmma_tall_waves`` waves, where the weight's 64-row tiles fit the SMs (128 rows a program
+    where K >= ``dqmma_tall_wide_k``) or its 128-row tiles fit them and fill
+    ``ws_wide_min_share`` of them (:data:`TUNED`); else None."""
+    t = TUNED
+    if not 64 < m <= 128:
+        return None
+    if cdiv(n, 64) <= facts.sms:
+        block_n = 128 if k >= t.dqmma_tall_wide_k else 64
+    elif t.ws_wide_min_share * facts.sms <= cdiv(n, 128) <= facts.sms:
+        block_n = 128
+    else:
+        return None
+    return dqmma_config(m, n, k, facts, block_n=block_n, block_m=128, waves=t.dqmma_tall_waves)
+
+
 def specialized_wins(m: int, n: int, k: int, facts: DeviceFacts) -> bool:
     """Whether the serving rule takes the warp-specialized dqmma (:data:`TUNED`, ``ws_*``)."""
     t = TUNED
@@ -492,7 +519,8 @@ def dqmma_launch(cfg: GemmConfig, n: int, k: int, facts: DeviceFacts) -> GemmCon
 def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
     """Serving batches on Hopper with Gluon, M = 17 .. ``dqmma_max_m``, K % 128 == 0 (else None):
     :func:`dqmma_config` (warp-specialized where :func:`specialized_wins`: 128-row programs of 128
-    or 256 tokens); at M <= ``serve_wgmma_max_m`` the FP8 wgmma kernel instead (128-row programs,
+    or 256 tokens); else at M = 65..128 :func:`tall_config` where it gives one (128-token
+    programs); at M <= ``serve_wgmma_max_m`` the FP8 wgmma kernel instead (128-row programs,
     split-K to ~``serve_wgmma_waves`` waves, at most ``serve_wgmma_per_sm`` programs per SM, summed
     by a second kernel, :func:`launch_options`) unless the weight's 64-row tiles fill the SMs or
     K >= ``serve_dqmma_min_k``; above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` (None:
@@ -508,6 +536,8 @@ def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | Non
         return dqmma_launch(dqmma_config(m, n, k, facts, block_n=128, block_m=bm,
                                          specialized=True, stages=4 if bm == 128 else 2),
                             n, k, facts)
+    if (cfg := tall_config(m, n, k, facts)) is not None:
+        return dqmma_launch(cfg, n, k, facts)
     if (m <= t.serve_wgmma_max_m and cdiv(n, 64) < facts.sms
             and k < t.serve_dqmma_min_k):
         per_sm = max(1, t.serve_wgmma_per_sm * facts.sms // cdiv(n, 128))
