@@ -194,13 +194,16 @@ SERVING = [
     # 256-token programs fill an SM alone: at most 132 programs, 132 // tiles splits
     (256, 4096, 4096, "dqmma", 64, 256, 2),  # 64 tiles: 132 // 64 = 2
     (256, 2560, 4096, "dqmma", 64, 256, 3),  # 40 tiles: 132 // 40 = 3
-    # N <= 1024 up to M = 256: 128-token programs (two M tiles), also one an SM
+    # N <= 1024 from M = 129 (to 512): 128-token programs (two to four M tiles), one an SM
     (256, 1024, 4096, "dqmma", 64, 128, 4),  # 16 x 2 tiles: 132 // 32 = 4
     (256, 576, 7168, "dqmma", 64, 128, 7),  # 9 x 2 tiles: 132 // 18 = 7 (56 K-tiles: 8 each)
-    (257, 1024, 4096, "cublas", 64, 0, 1),  # N < 4096 above M = 256
+    (257, 1024, 4096, "dqmma", 64, 128, 2),  # N <= 1024: 128 tokens, 16 x 3 tiles, 132 // 48
+    (257, 1536, 7168, "cublas", 64, 0, 1),  # 1024 < N < 4096 above M = 256
     (512, 7168, 2048, "dqmma", 64, 256, 1),  # 112 x 2 = 224 tiles (K < 4096: one chain)
     (512, 4096, 2560, "dqmma", 64, 256, 1),  # 64 x 2 = 128 tiles >= 66
-    (512, 1024, 4096, "cublas", 64, 0, 1),  # N < 4096 above M = 256
+    (512, 1024, 4096, "dqmma", 64, 128, 2),  # 16 x 4 tiles < 66: 132 // 64 = 2
+    (512, 576, 7168, "dqmma", 64, 128, 3),  # 9 x 4 tiles: 132 // 36 = 3
+    (512, 2048, 7168, "cublas", 64, 0, 1),  # 1024 < N < 4096 above M = 256
     (300, 4096, 4096, "dqmma", 64, 256, 1),  # 64 x 2 = 128 tiles >= 66
     (200, 4096, 4096, "dqmma", 64, 256, 2),  # 64 tiles < 66: 132 // 64 = 2
     (512, 2560, 4096, "cublas", 64, 0, 1),  # N < 4096 above M = 256

@@ -127,10 +127,12 @@ class Tuning:
     # (sweep_dqmma.py --launch, 2026-12-01); the next tile counts of the model shapes (224, 288)
     # were as fast unsplit
     dqmma_tail_waves: float = 1.25
-    # M = 129..256: 128-token programs (two M tiles) on weights of at most this many rows, where
-    # 256-token ones leave most SMs idle or split K thin (sweep_dqmma.py --launch --ms 256,
-    # 2026-12-01: Llama k_proj x0.79 vs x0.63, Qwen k_proj x0.71 vs x0.62, DeepSeek kv_a x0.75 vs
-    # x0.55; N = 4096 as fast either way or slower)
+    # M = 129..512: 128-token programs (two to four M tiles) on weights of at most this many
+    # rows, where 256-token ones leave most SMs idle or split K thin (sweep_dqmma.py --launch
+    # --ms 256, 2026-12-01: Llama k_proj x0.79 vs x0.63, Qwen k_proj x0.71 vs x0.62, DeepSeek kv_a
+    # x0.75 vs x0.55; N = 4096 as fast either way or slower); above M = 256 instead of cuBLAS
+    # (sweep_dqmma.py --tokens --ms 512, 23:47: DeepSeek kv_a x0.69 vs x0.58, Llama k_proj x0.60
+    # vs x0.53, Qwen k_proj x0.52 vs x0.51)
     dqmma_narrow_n: int = 1024
     # M = 65..128: one-chain programs of 128 tokens (one M tile: each weight element dequantized
     # once, not once per 64 tokens), one an SM by shared memory, K split to ~this many waves,
@@ -454,15 +456,15 @@ def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 6
                  block_m: int = 0, stages: int = 3, waves: float = 0.0,
                  specialized: bool = False) -> GemmConfig:
     """The dequantizing wgmma kernel (``dqmma.py``): ``block_n`` weight rows and ``block_m`` tokens
-    per program (default: 32 up to M = 32, 64 up to M = 128, 128 up to M = 256 where N <=
-    ``dqmma_narrow_n``, else 256), ``stages`` TMA buffers; split-K to ~``waves`` x SMs programs (at
+    per program (default: 32 up to M = 32, 64 up to M = 128, 128 where N <= ``dqmma_narrow_n``,
+    else 256), ``stages`` TMA buffers; split-K to ~``waves`` x SMs programs (at
     most that many where one program fills an SM: the specialized kernel, 128 or 256 tokens)
     (default ``dqmma_waves`` up to M = 128, else ``dqmma_wide_waves``), at least
     ``dqmma_min_split_tiles`` K-tiles a split, none where the tiles fill ``dqmma_tail_waves`` waves
     (above M = 128: ``dqmma_wide_unsplit_share`` of the SMs) (:data:`TUNED`)."""
     t = TUNED
     bm = block_m or (32 if m <= 32 else 64 if m <= 128 else
-                     128 if m <= 256 and n <= t.dqmma_narrow_n else 256)
+                     128 if n <= t.dqmma_narrow_n else 256)
     waves = waves or (t.dqmma_waves if m <= 128 else t.dqmma_wide_waves)
     tiles, k_tiles = cdiv(n, block_n) * cdiv(m, bm), k // WGMMA_BLOCK_K
     split = 1
@@ -523,13 +525,13 @@ def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | Non
     programs); at M <= ``serve_wgmma_max_m`` the FP8 wgmma kernel instead (128-row programs,
     split-K to ~``serve_wgmma_waves`` waves, at most ``serve_wgmma_per_sm`` programs per SM, summed
     by a second kernel, :func:`launch_options`) unless the weight's 64-row tiles fill the SMs or
-    K >= ``serve_dqmma_min_k``; above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` (None:
-    cuBLAS) (:data:`TUNED`)."""
+    K >= ``serve_dqmma_min_k``; above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` or N <=
+    ``dqmma_narrow_n`` (None: cuBLAS) (:data:`TUNED`)."""
     t = TUNED
     if (not facts.hopper or not facts.gluon or k % WGMMA_BLOCK_K
             or not WGMMA_MAX_M < m <= t.dqmma_max_m):
         return None
-    if m > t.dqmma_wide_m and n < t.dqmma_wide_min_n:
+    if m > t.dqmma_wide_m and t.dqmma_narrow_n < n < t.dqmma_wide_min_n:
         return None
     if specialized_wins(m, n, k, facts):
         bm = 128 if m <= 128 else 256
