@@ -309,11 +309,11 @@ def tokens_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
 
 
 def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> None:
-    """M = 65..128 (trtllm): bf16, the rule's config (and without its PDL chain) and
-    :func:`tokens_configs` side by side, each checked against the float64 reference
-    (``sweep_tokens.json``)."""
+    """M = 65..512 (trtllm): bf16, the rule's config (and without its PDL chain; up to M = 128
+    the 64-token programs of ``dqmma_config``'s default) and :func:`tokens_configs` side by
+    side, each checked against the float64 reference (``sweep_tokens.json``)."""
     from mxfp8_convert.runtime.hopper.probe import device_facts
-    from mxfp8_convert.runtime.hopper.rules import choose_config
+    from mxfp8_convert.runtime.hopper.rules import choose_config, dqmma_config, dqmma_launch
 
     facts = device_facts(torch.device("cuda"))
     rows = []
@@ -331,6 +331,8 @@ def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> 
             runs = [("rule", rule)] + [(label(c), c) for c in tokens_configs(m, n, k, facts)]
             if rule.pdl:  # and the rule's config without the PDL chain
                 runs.append(("rule-nopdl", pdl_variant(rule, "off")))
+            if m <= 128:  # and 64-token programs (dqmma_config's default tile)
+                runs.append(("dq64tok", dqmma_launch(dqmma_config(m, n, k, facts), n, k, facts)))
             row = {"shape": name, "m": m, "n": n, "k": k, "bf16_ms": t_bf, "variants": {}}
             for key, cfg in runs:
                 t = time_graph(lambda i, c=cfg, xs=xs, ws=ws: (
