@@ -111,7 +111,7 @@ class Tuning:
     # the dequantizing wgmma kernel (dqmma.py) up to this M; from M = 1024 cuBLAS won every shape
     dqmma_max_m: int = 512
     # above this M, dqmma only on weights of >= dqmma_wide_min_n rows (M = 512: cuBLAS won 8 of
-    # the 9 shapes with N < 4096, dqmma 9 of the 10 with N >= 4096)
+    # the 9 shapes with N < 4096, dqmma 9 of the 10 with N >= 4096), or of <= dqmma_narrow_n
     dqmma_wide_m: int = 256
     dqmma_wide_min_n: int = 4096
     # split-K to ~2 waves of programs up to M = 128 (within 1 % of each row's best split on
