@@ -291,13 +291,13 @@ def pdl_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> Non
 
 def tokens_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
     """The one-chain dqmma kernel's programs of 128 tokens (64 or 128 weight rows: one or two
-    warpgroups; one an SM by shared memory), rings of 3 or 4, K split to about one or two waves,
-    with the rule's launch options (:func:`rules.dqmma_launch`)."""
+    warpgroups), rings of 2 (two programs an SM by shared memory), 3 or 4 (one), K split to about
+    one or two waves, with the rule's launch options (:func:`rules.dqmma_launch`)."""
     from mxfp8_convert.runtime.hopper.rules import dqmma_config, dqmma_launch
 
     out, seen = [], set()
     for bn in (64, 128):
-        for st in (3, 4):
+        for st in (2, 3, 4):
             for waves in (1.0, 2.0):
                 c = dqmma_launch(dqmma_config(m, n, k, facts, block_n=bn, block_m=128, stages=st,
                                               waves=waves), n, k, facts)

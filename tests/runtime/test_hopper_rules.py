@@ -240,7 +240,7 @@ def test_dqmma_launch_follows_the_pdl_mode(device, pdl, prefetch, m, n, k):
 
 
 @pytest.mark.parametrize("m,n,k,specialized", [
-    (32, 7168, 16384, False), (64, 14336, 4096, False), (128, 7168, 16384, True),
+    (32, 7168, 16384, False), (64, 14336, 4096, False), (128, 7168, 16384, False),
     (512, 18432, 7168, True), (128, 4864, 6144, False)])
 def test_dqmma_on_large_weights_runs_without_pdl(m, n, k, specialized):
     """From 32 M weight elements (DeepSeek o_proj 117 M, Llama gate_up 59 M, 29.9 M is below)
@@ -250,14 +250,11 @@ def test_dqmma_on_large_weights_runs_without_pdl(m, n, k, specialized):
     assert (cfg.pdl, cfg.prefetch) == ((n * k < 32_000_000),) * 2
 
 
-# The warp-specialized dqmma (TUNED.ws_*): 128-row programs of 128 tokens (ring of 4) at
-# M = 65..128 with K >= 16384, of 256 tokens (ring of 2) at M = 257..512 where
-# ceil(N / 128) * ceil(M / 256) >= 0.75 * 132 = 99 programs and K >= 4096; split-K as dqmma's.
+# The warp-specialized dqmma (TUNED.ws_*): 128-row programs of 256 tokens (ring of 2) at
+# M = 257..512 where ceil(N / 128) * ceil(M / 256) >= 0.75 * 132 = 99 programs and K >= 4096;
+# split-K as dqmma's.
 SPECIALIZED = [
     # (M, N, K, block_m, split_k, stages)
-    # one program an SM: at most 2 x 132 programs, 264 // 56 = 4 splits of 56 tiles
-    (128, 7168, 16384, 128, 4, 4),  # 128 K-tiles: 32 a split
-    (100, 7168, 18432, 128, 4, 4),  # 144 K-tiles: 36 a split
     (512, 7168, 16384, 256, 1, 2),  # 56 x 2 = 112 >= 99 programs: unsplit
     (300, 14336, 4096, 256, 1, 2),  # 112 x 2 = 224
 ]
@@ -269,6 +266,35 @@ def test_serving_rule_takes_the_specialized_kernel(m, n, k, block_m, split, stag
     assert cfg.kind is Kernel.DQMMA and cfg.specialized and cfg.block_n == 128
     assert (cfg.block_m, cfg.split_k, cfg.num_stages, cfg.num_warps) == (block_m, split, stages,
                                                                          4)
+
+
+# M = 65..128, TUNED.dqmma_pair_*: one-chain programs of 128 rows and 128 tokens in a ring of 2
+# (two an SM), split min(2 * 132 // tiles, K-tiles // 4), where K >= 16384, and up to M = 96
+# where tall_config gives none (64-row tiles > 132 and 128-row tiles outside 99..132).
+PAIRS = [
+    # (M, N, K, split_k)
+    (128, 7168, 16384, 4),  # 56 tiles: 264 // 56 = 4 (128 K-tiles: 32 a split)
+    (100, 7168, 18432, 4),  # 144 K-tiles: 36 a split
+    (80, 9728, 2560, 3),  # 152 64-row tiles, 76 of 128 < 99: 264 // 76 = 3 (20 K-tiles: 7 each)
+    (96, 24576, 1536, 1),  # 192 tiles >= 1.25 x 132: unsplit
+    (80, 18432, 7168, 1),  # 144 tiles: 264 // 144 = 1
+]
+
+
+@pytest.mark.parametrize("m,n,k,split", PAIRS)
+def test_serving_rule_takes_two_128_token_programs_an_sm(m, n, k, split):
+    cfg = choose_config(m, n, k, FACTS["h200"])
+    assert cfg.kind is Kernel.DQMMA and not cfg.specialized
+    assert (cfg.block_n, cfg.block_m, cfg.num_stages, cfg.num_warps, cfg.split_k) == (
+        128, 128, 2, 8, split)
+
+
+def test_serving_rule_takes_64_token_programs_past_96_tokens():
+    """Above ``dqmma_pair_max_m`` the weights that fit neither 128-token rule run 64-token
+    programs (two M tiles), as at M = 128 in the sweep."""
+    for n, k in ((9728, 2560), (24576, 1536), (32768, 512), (18432, 7168)):
+        cfg = choose_config(97, n, k, FACTS["h200"])
+        assert (cfg.block_n, cfg.block_m, cfg.num_stages) == (64, 64, 3), (n, k)
 
 
 @pytest.mark.parametrize("m,n,k", [

@@ -155,14 +155,24 @@ class Tuning:
     # of 32 row tiles, 160 programs, x0.98)
     serve_wgmma_per_sm: int = 1
     serve_dqmma_min_k: int = 12288
-    # the warp-specialized dqmma (128-row programs of all M tokens up to 128, or 256, each
-    # weight element dequantized once per 128 or 256 tokens), where the sweep of 2026-12-01
-    # 16:45 had it ahead: M = 65 .. 128 with K >= ws_min_k (DeepSeek o_proj, MLP down: x0.86,
-    # x0.89 vs x0.74, x0.75); M > 256 where its unsplit programs fill ws_wide_min_share of the
-    # SMs and K >= ws_wide_min_k (Llama gate_up, DeepSeek o_proj, MLP down: x0.84 vs x0.73-0.74;
-    # MLP gate_up x0.73 vs 0.75). Elsewhere the one-warpgroup kernel's 64-row programs (up to
-    # three a multiprocessor) were faster
-    ws_min_k: int = 16384
+    # the warp-specialized dqmma (128-row programs of 256 tokens, each weight element
+    # dequantized once per 256 tokens), where the sweep of 2026-12-01 16:45 had it ahead: M > 256
+    # where its unsplit programs fill ws_wide_min_share of the SMs and K >= ws_wide_min_k (Llama
+    # gate_up, DeepSeek o_proj, MLP down: x0.84 vs x0.73-0.74; MLP gate_up x0.73 vs 0.75).
+    # Elsewhere the one-warpgroup kernel's 64-row programs (up to three a multiprocessor) were
+    # faster
+    # M = 65..128: one-chain programs of 128 weight rows and 128 tokens in a ring of 2 (96 KB:
+    # two an SM), K split to two waves of them, where K >= dqmma_pair_min_k, and up to
+    # dqmma_pair_max_m where the weight's tiles do not fit tall_config's one wave
+    # (sweep_dqmma.py --tokens --ms 128,80, 23:58: DeepSeek o_proj x1.03 / x1.15 at M = 128 / 80
+    # vs x0.98 / x0.92 for the specialized kernel, MLP down x1.02 / x1.18 vs x0.99 / x1.02; at
+    # M = 80 Qwen gate_up x0.74 vs x0.57, DeepSeek kv_b x0.69 vs x0.55, q_b x0.65 vs x0.53, MLP
+    # gate_up x0.61 vs x0.55 for 64-token programs, which were ahead again at M = 128 on all but
+    # Qwen gate_up: q_b x0.73 vs x0.66, kv_b x0.62 vs x0.61, MLP gate_up x0.68 vs x0.51; the
+    # boundary at 96 tokens, the second 64-token tile half full, is not measured)
+    dqmma_pair_min_k: int = 16384
+    dqmma_pair_max_m: int = 96
+    dqmma_pair_waves: float = 2.0
     # the dqmma path (quantization, kernel, reduction) as a PDL chain below this weight size
     # (sweep_dqmma.py --pdl, M = 32..512): it hid launch latency on small weights (Qwen k_proj
     # M = 64 7.7 vs 10.1 us, DeepSeek kv_b M = 32 10.2 vs 11.7, Qwen gate_up 16.6 vs 18.7) and
@@ -498,11 +508,16 @@ def tall_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None
     return dqmma_config(m, n, k, facts, block_n=block_n, block_m=128, waves=t.dqmma_tall_waves)
 
 
+def pair_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
+    """At M = 65..128: the one-chain dqmma kernel's programs of 128 weight rows and 128 tokens in
+    a ring of 2, two an SM, K split to ``dqmma_pair_waves`` waves of them (:data:`TUNED`)."""
+    return dqmma_config(m, n, k, facts, block_n=128, block_m=128, stages=2,
+                        waves=TUNED.dqmma_pair_waves)
+
+
 def specialized_wins(m: int, n: int, k: int, facts: DeviceFacts) -> bool:
     """Whether the serving rule takes the warp-specialized dqmma (:data:`TUNED`, ``ws_*``)."""
     t = TUNED
-    if 64 < m <= 128:
-        return k >= t.ws_min_k
     return (t.dqmma_wide_m < m <= t.dqmma_max_m and k >= t.ws_wide_min_k
             and cdiv(n, 128) * cdiv(m, 256) >= t.ws_wide_min_share * facts.sms)
 
@@ -520,9 +535,11 @@ def dqmma_launch(cfg: GemmConfig, n: int, k: int, facts: DeviceFacts) -> GemmCon
 
 def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
     """Serving batches on Hopper with Gluon, M = 17 .. ``dqmma_max_m``, K % 128 == 0 (else None):
-    :func:`dqmma_config` (warp-specialized where :func:`specialized_wins`: 128-row programs of 128
-    or 256 tokens); else at M = 65..128 :func:`tall_config` where it gives one (128-token
-    programs); at M <= ``serve_wgmma_max_m`` the FP8 wgmma kernel instead (128-row programs,
+    :func:`dqmma_config` (warp-specialized where :func:`specialized_wins`: 128-row programs of 256
+    tokens); at M = 65..128 with K >= ``dqmma_pair_min_k`` :func:`pair_config` (two 128-token
+    programs an SM), else :func:`tall_config` where it gives one (128-token programs, one an SM),
+    else up to M = ``dqmma_pair_max_m`` :func:`pair_config`; at M <= ``serve_wgmma_max_m`` the
+    FP8 wgmma kernel instead (128-row programs,
     split-K to ~``serve_wgmma_waves`` waves, at most ``serve_wgmma_per_sm`` programs per SM, summed
     by a second kernel, :func:`launch_options`) unless the weight's 64-row tiles fill the SMs or
     K >= ``serve_dqmma_min_k``; above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` or N <=
@@ -534,12 +551,14 @@ def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | Non
     if m > t.dqmma_wide_m and t.dqmma_narrow_n < n < t.dqmma_wide_min_n:
         return None
     if specialized_wins(m, n, k, facts):
-        bm = 128 if m <= 128 else 256
-        return dqmma_launch(dqmma_config(m, n, k, facts, block_n=128, block_m=bm,
-                                         specialized=True, stages=4 if bm == 128 else 2),
-                            n, k, facts)
+        return dqmma_launch(dqmma_config(m, n, k, facts, block_n=128, block_m=256,
+                                         specialized=True, stages=2), n, k, facts)
+    if 64 < m <= 128 and k >= t.dqmma_pair_min_k:
+        return dqmma_launch(pair_config(m, n, k, facts), n, k, facts)
     if (cfg := tall_config(m, n, k, facts)) is not None:
         return dqmma_launch(cfg, n, k, facts)
+    if 64 < m <= t.dqmma_pair_max_m:
+        return dqmma_launch(pair_config(m, n, k, facts), n, k, facts)
     if (m <= t.serve_wgmma_max_m and cdiv(n, 64) < facts.sms
             and k < t.serve_dqmma_min_k):
         per_sm = max(1, t.serve_wgmma_per_sm * facts.sms // cdiv(n, 128))
