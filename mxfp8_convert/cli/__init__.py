@@ -24,7 +24,7 @@ from mxfp8_convert._gc import paused_gc
 from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.cli._errors import Interrupted, JsonErrorCommand, Terminated, handle_errors
-from mxfp8_convert.cli._output import Output, human_bytes, table
+from mxfp8_convert.cli._output import Output, human_bytes, size_bytes, table
 from mxfp8_convert.format import CANONICAL_SUFFIX
 from mxfp8_convert.formats import FORMATS
 from mxfp8_convert.plan import MOE_MODES, ON_INELIGIBLE
@@ -298,16 +298,13 @@ def _verify_and_push(out, result, repo: str, private: bool, branch: str | None) 
 
 
 def parse_size(text: str, param: str = "--max-memory") -> int:
-    """'8GiB', '500MB', '1.5G' or a plain byte count -> bytes, read by pydantic's ``ByteSize``:
-    KB/MB/GB (and K/M/G) are powers of 1000, KiB/MiB/GiB powers of 1024, as ``human_bytes``
-    prints them."""
-    from pydantic import ByteSize, TypeAdapter, ValidationError
-
-    try:
-        return int(TypeAdapter(ByteSize).validate_python(text.strip()))
-    except ValidationError:
-        raise typer.BadParameter(f"{text!r} is not a size like 8GiB or 500MB",
-                                 param_hint=param) from None
+    """'8GiB', '500MB', '1.5G' or a plain byte count -> bytes, as pydantic's ``ByteSize`` reads
+    them (``size_bytes``): KB/MB/GB (and K/M/G) are powers of 1000, KiB/MiB/GiB powers of 1024,
+    as ``human_bytes`` prints them."""
+    n = size_bytes(text)
+    if n is None:
+        raise typer.BadParameter(f"{text!r} is not a size like 8GiB or 500MB", param_hint=param)
+    return n
 
 
 @app.command("finalize", cls=JsonErrorCommand)

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 import sys
 from contextlib import contextmanager
 from typing import TYPE_CHECKING
@@ -139,11 +140,56 @@ def table(title: str, columns: list[str], rows: list[list]) -> Table:
 
 
 def human_bytes(n: int) -> str:
-    """``n`` bytes in binary units, as pydantic's ``ByteSize`` writes and ``parse_size`` reads
-    them (``1.5KiB``, ``953.7MiB``)."""
-    from pydantic import ByteSize
+    """``n`` bytes in binary units, as pydantic's ``ByteSize.human_readable()`` writes them and
+    ``size_bytes`` reads them back (``1.5KiB``, ``953.7MiB``). Written out here: importing
+    pydantic took longer than a conversion's result table (BENCHMARKS.md, issue 25)."""
+    num = float(n)
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB", "PiB"):
+        if abs(num) < 1024:
+            return f"{num:0.0f}{unit}" if unit == "B" else f"{num:0.1f}{unit}"
+        num /= 1024
+    return f"{num:0.1f}EiB"
 
-    return ByteSize(n).human_readable()
+
+#: bytes per unit, case-insensitive, as pydantic's ``ByteSize``: KB/MB/GB... (and K/M/G...)
+#: powers of 1000, KiB/MiB/GiB... powers of 1024, ``bit`` units an eighth of their byte unit
+_UNITS: dict[str, float] = {
+    "b": 1, "kb": 10**3, "mb": 10**6, "gb": 10**9, "tb": 10**12, "pb": 10**15, "eb": 10**18,
+    "kib": 2**10, "mib": 2**20, "gib": 2**30, "tib": 2**40, "pib": 2**50, "eib": 2**60,
+}
+_UNITS.update({k[:-1] + "bit": v / 8 for k, v in list(_UNITS.items()) if k != "b"})
+_UNITS["bit"] = 1 / 8
+_UNITS.update({k[0]: v for k, v in list(_UNITS.items()) if "i" not in k})
+#: ``ByteSize``'s string pattern: a number, then an optional unit (matched at the start only)
+_SIZE = re.compile(r"^\s*(\d*\.?\d+)\s*(\w+)?", re.IGNORECASE)
+#: what pydantic's lax integer parsing takes from a string that is not of that pattern
+_LAX_INT = re.compile(r"([+-]?)([0-9]+(?:_[0-9]+)*)(?:\.0+)?")
+
+
+def size_bytes(text: str) -> int | None:
+    """``text`` (surrounding blanks ignored) as a number of bytes, or None where it is not a
+    size: what ``TypeAdapter(ByteSize).validate_python(text.strip())`` returns or refuses,
+    without importing pydantic (tests/test_cli_sizes.py compares the two)."""
+    s = text.strip()
+    m = _SIZE.match(s)
+    if m is None:  # pydantic's other branch: a non-negative integer, e.g. "+5" or "-0"
+        lax = _LAX_INT.fullmatch(s)
+        if lax is None:
+            return None
+        n = int(lax.group(2).replace("_", ""))
+        return None if lax.group(1) == "-" and n else n
+    try:
+        return int(s)  # ByteSize tries int() first ("1_000" too)
+    except ValueError:
+        pass
+    scalar, unit = m.groups()
+    mult = _UNITS.get((unit or "b").lower())
+    if mult is None:
+        return None
+    try:
+        return int(float(scalar) * mult)
+    except OverflowError:
+        return None
 
 
 def _float(o: float) -> str:
