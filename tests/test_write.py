@@ -184,12 +184,17 @@ CHILD = textwrap.dedent(r"""
                 pause()
             return real_bytes(self, *a)
         reader.bytes = read_bytes
-    elif point == "parsing":
-        real_app = cli.app
+    elif point in ("parsing", "parsing-typer"):  # the fast path's reading, or Typer's
+        real_app, real_fast = cli.app, cli.convert_args
         def app(*a, **kw):
             pause()
             return real_app(*a, **kw)
-        cli.app = app
+        def convert_args(args):
+            if point == "parsing-typer":
+                return None
+            pause()
+            return real_fast(args)
+        cli.app, cli.convert_args = app, convert_args
     elif point == "printing":
         real_result = cli.Output.result
         def result(self, *a, **kw):
@@ -557,7 +562,8 @@ def test_source_shard_truncated_while_mapped_names_the_file(world, tmp_path):
     assert not out.exists() and leftovers(tmp_path) == []
 
 
-@pytest.mark.parametrize("point", ["parsing", "first-manifest", "printing"])
+@pytest.mark.parametrize("point", ["parsing", "parsing-typer", "first-manifest",
+                                   "printing"])
 @pytest.mark.parametrize("sig,code", [(signal.SIGINT, 130), (signal.SIGTERM, 143)])
 def test_signals_outside_the_conversion_exit_cleanly(world, tmp_path, point, sig, code):
     """Before the command's own error handling (parsing), as the work folder is made (the race
@@ -617,3 +623,4 @@ def test_finalize_from_another_working_directory(tmp_path, monkeypatch):
     monkeypatch.chdir(tmp_path)
     r = finalize(tmp_path / "a" / "out")
     assert verify(r.output, tmp_path / "a" / "src").ok
+

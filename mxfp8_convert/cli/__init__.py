@@ -8,8 +8,10 @@ are subcommands. Exit codes: 0 done, 1 conversion/verification failed, 2 usage e
 from __future__ import annotations
 
 import enum
+import errno
 import gc
 import math
+import os
 import re
 import signal
 import sys
@@ -24,6 +26,7 @@ from mxfp8_convert._gc import paused_gc
 from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.cli._errors import Interrupted, JsonErrorCommand, Terminated, handle_errors
+from mxfp8_convert.cli._fast import convert_args
 from mxfp8_convert.cli._output import Output, human_bytes, size_bytes, table
 from mxfp8_convert.format import CANONICAL_SUFFIX
 from mxfp8_convert.formats import FORMATS
@@ -234,9 +237,6 @@ def convert_cmd(
     debug: DebugOpt = False,
 ) -> None:
     """Convert MODEL to the layout of --backend and write a checkpoint that says so."""
-    from mxfp8_convert import convert
-
-    out = Output(as_json=as_json, quiet=quiet)
     if (num_parts is None) != (part is None):
         raise typer.BadParameter("--num-parts and --part go together", param_hint="--part")
     if num_parts is not None and num_parts < 1:
@@ -260,17 +260,37 @@ def convert_cmd(
         )
     if push_to_hub is not None and dry_run:
         raise typer.BadParameter("--dry-run writes nothing to push", param_hint="--push-to-hub")
+    run_convert(model, backend.value, output=output, overwrite=overwrite, dry_run=dry_run,
+                source_format=source_format and source_format.value,
+                on_ineligible=on_ineligible.value, ignore=ignore, revision=revision,
+                fresh=fresh, push_to_hub=push_to_hub, private=private, push_branch=push_branch,
+                part=(part, num_parts) if num_parts is not None else None, workers=workers,
+                max_memory=budget, moe=moe.value, quantize_towers=quantize_towers,
+                allow_no_quantized=allow_no_quantized, max_shard_size=shard_bytes,
+                as_json=as_json, quiet=quiet, debug=debug)
+
+
+def run_convert(model: str, backend: str, *, output: str | None, overwrite: bool, dry_run: bool,
+                source_format: str | None, on_ineligible: str, ignore: list[str] | None,
+                revision: str | None, fresh: bool, push_to_hub: str | None, private: bool,
+                push_branch: str | None, part: tuple[int, int] | None, workers: int,
+                max_memory: int | None, moe: str, quantize_towers: bool,
+                allow_no_quantized: bool, max_shard_size: int, as_json: bool, quiet: bool,
+                debug: bool) -> None:
+    """The convert command on its parsed, checked options (Typer's ``convert_cmd``, or
+    ``_fast.convert_args`` for the common command lines): convert, push, print the result."""
+    from mxfp8_convert import convert
+
+    out = Output(as_json=as_json, quiet=quiet)
     with _planning_only(dry_run):
         with handle_errors(out, debug=debug), out.progress() as on_progress:
-            result = convert(model, backend.value, output, overwrite=overwrite, dry_run=dry_run,
-                             source_format=source_format and source_format.value,
-                             on_ineligible=on_ineligible.value, ignore=ignore,
-                             revision=revision, fresh=fresh, hub_repo_id=push_to_hub,
-                             progress=on_progress,
-                             part=(part, num_parts) if num_parts is not None else None,
-                             workers=workers, max_memory=budget, moe=moe.value,
+            result = convert(model, backend, output, overwrite=overwrite, dry_run=dry_run,
+                             source_format=source_format, on_ineligible=on_ineligible,
+                             ignore=ignore, revision=revision, fresh=fresh,
+                             hub_repo_id=push_to_hub, progress=on_progress, part=part,
+                             workers=workers, max_memory=max_memory, moe=moe,
                              quantize_towers=quantize_towers,
-                             allow_no_quantized=allow_no_quantized, max_shard_size=shard_bytes)
+                             allow_no_quantized=allow_no_quantized, max_shard_size=max_shard_size)
         with paused_gc():  # a dry run's document: a dict per module and tensor (``_gc``)
             doc = result.to_dict()
         if push_to_hub is not None:
@@ -630,6 +650,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args and args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h", "--version"):
             args.insert(0, "convert")
+        fast = convert_args(args[1:]) if args and args[0] == "convert" else None
+        if fast is not None:
+            return _run_fast(fast)
         app(args=args, prog_name="mxfp8-convert", standalone_mode=True)
     except SystemExit as e:
         return e.code if isinstance(e.code, int) else (0 if e.code is None else 1)
@@ -641,6 +664,29 @@ def main(argv: list[str] | None = None) -> int:
     finally:
         for s, h in previous.items():
             signal.signal(s, h)
+    return 0
+
+
+def _run_fast(kwargs: dict) -> int:
+    """``run_convert`` on a command line read by ``_fast.convert_args``, ending as Typer ends a
+    command in its standalone mode: ``typer.Exit``'s code, 130 for a KeyboardInterrupt (Typer's
+    silent exit), 1 for a closed stdout (EPIPE: what is left to print goes nowhere)."""
+    try:
+        run_convert(kwargs.pop("model"), kwargs.pop("backend"), **kwargs)
+    except typer.Exit as e:
+        return e.exit_code
+    except KeyboardInterrupt:
+        return 130
+    except OSError as e:
+        if e.errno != errno.EPIPE:
+            raise
+        devnull = os.open(os.devnull, os.O_WRONLY)
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                os.dup2(devnull, stream.fileno())
+            except (OSError, ValueError):
+                pass
+        return 1
     return 0
 
 

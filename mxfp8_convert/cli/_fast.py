@@ -1,0 +1,105 @@
+"""The common ``convert`` command lines, read without Typer's parser.
+
+Typer (0.29) coerces every option through a pydantic ``TypeAdapter``: importing pydantic and
+building one adapter per option took 0.15-0.2 s of each run, before the conversion's first write
+(BENCHMARKS.md, issue 25). ``convert_args`` reads the command lines made only of the options
+below, each given once in its plainest spelling (``--opt value``, ``--opt=value``, a flag), with
+values Typer would take as they are, and returns ``run_convert``'s arguments; for anything else
+(help, another command or option, a repeated option, a value starting with ``-``, a value Typer
+would coerce or refuse) it returns None, and Typer parses the command line as before, with its
+own messages. tests/test_cli_fast.py checks every accepted line against Typer's own reading.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+
+from mxfp8_convert.backends import BACKENDS
+from mxfp8_convert.cli._output import size_bytes
+from mxfp8_convert.formats import FORMATS
+from mxfp8_convert.plan import MOE_MODES, ON_INELIGIBLE
+
+#: ``run_convert``'s arguments as ``convert_cmd`` passes them for options not given
+DEFAULTS = {
+    "output": None, "overwrite": False, "dry_run": False, "source_format": None,
+    "on_ineligible": "error", "ignore": None, "revision": None, "fresh": False,
+    "push_to_hub": None, "private": False, "push_branch": None, "part": None, "workers": 1,
+    "max_memory": None, "moe": "fuse", "quantize_towers": False, "allow_no_quantized": False,
+    "max_shard_size": size_bytes("5GB"), "as_json": False, "quiet": False, "debug": False,
+}
+
+#: the flags taken here: spelling -> argument
+FLAGS = {
+    "--overwrite": "overwrite", "--dry-run": "dry_run", "--fresh": "fresh",
+    "--quantize-towers": "quantize_towers", "--allow-no-quantized": "allow_no_quantized",
+    "--json": "as_json", "--quiet": "quiet", "-q": "quiet", "--debug": "debug",
+}
+#: the options with a value taken here: spelling -> argument
+VALUES = {
+    "--backend": "backend", "-b": "backend", "--output": "output", "-o": "output",
+    "--source-format": "source_format", "--on-ineligible": "on_ineligible", "--moe": "moe",
+    "--revision": "revision", "--workers": "workers", "--max-shard-size": "max_shard_size",
+}
+#: values of the choice options, as Typer's enums take them (case-sensitive)
+CHOICES = {
+    "backend": frozenset(BACKENDS), "source_format": frozenset(f.name for f in FORMATS),
+    "on_ineligible": frozenset(ON_INELIGIBLE), "moe": frozenset(MOE_MODES),
+}
+_WORKERS = re.compile(r"[1-9][0-9]{0,5}")
+#: Click's shell completion runs instead of the command when this variable is set
+COMPLETE_VAR = "_MXFP8_CONVERT_COMPLETE"
+
+
+def convert_args(args: list[str]) -> dict | None:
+    """``run_convert``'s keyword arguments (MODEL as ``model``) for ``mxfp8-convert convert
+    ARGS``, or None where Typer must read ``args``."""
+    if COMPLETE_VAR in os.environ:
+        return None
+    given: dict = {}
+    model = None
+    i = 0
+    while i < len(args):
+        arg = args[i]
+        i += 1
+        if not arg or arg.startswith("-") and arg not in FLAGS and arg.split("=")[0] not in VALUES:
+            return None  # "", "-", "--", an option not taken here, a flag given a value
+        if arg in FLAGS:
+            name, value = FLAGS[arg], True
+        elif arg.startswith("-"):
+            spelling, eq, value = arg.partition("=")
+            if not eq:
+                if i == len(args):
+                    return None
+                value = args[i]
+                i += 1
+            if not spelling.startswith("--") and eq:  # -o=x: Click reads "=x"
+                return None
+            name = VALUES[spelling]
+            if not value or value.startswith("-"):
+                return None
+            value = _value(name, value)
+            if value is None:
+                return None
+        elif model is None:
+            name, value, model = "model", arg, arg
+        else:
+            return None  # a second argument
+        if name in given:
+            return None
+        given[name] = value
+    if model is None or "backend" not in given:
+        return None
+    return {**DEFAULTS, **given}
+
+
+def _value(name: str, text: str):
+    """An option's value as ``convert_cmd`` passes it on, or None (Typer decides)."""
+    if name in CHOICES:
+        return text if text in CHOICES[name] else None
+    if name == "workers":
+        return int(text) if _WORKERS.fullmatch(text) else None
+    if name == "max_shard_size":
+        n = size_bytes(text)
+        return n if n is not None and n > 0 else None
+    return text

@@ -1,0 +1,145 @@
+"""``cli._fast.convert_args`` reads the common ``convert`` command lines without Typer: each
+line it takes must give ``run_convert`` exactly what Typer's own parsing gives it (Typer is the
+oracle here), and every line Typer refuses it must leave to Typer."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import hypothesis
+import hypothesis.strategies as st
+import pytest
+
+import mxfp8_convert.cli as cli
+from mxfp8_convert.cli._fast import convert_args
+from mxfp8_convert.synth import SynthSpec, write_checkpoint
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def typer_reading(args: list[str]) -> dict | None:
+    """What Typer's ``convert_cmd`` passes to ``run_convert`` for ``convert ARGS``, or None
+    where Typer refuses the line (a usage error) or does not convert (``--help``)."""
+    got = []
+    real = cli.run_convert
+    cli.run_convert = lambda model, backend, **kw: got.append({"model": model,
+                                                               "backend": backend, **kw})
+    try:
+        code = cli.app(args=["convert", *args], prog_name="mxfp8-convert", standalone_mode=False)
+    except cli._errors.UsageError:
+        return None
+    finally:
+        cli.run_convert = real
+    assert code in (None, 0)
+    return got[0] if got else None
+
+
+def check(args: list[str]) -> dict | None:
+    fast = convert_args(list(args))
+    want = typer_reading(list(args))
+    if fast is not None:
+        assert want is not None, f"{args}: Typer refuses what the fast path took"
+        assert fast == want, args
+    return fast
+
+
+@pytest.mark.parametrize("args", [
+    ["m", "--backend", "trtllm"],
+    ["m", "-b", "cutlass", "-o", "out", "--quiet"],
+    ["--backend=canonical", "m", "--output=o", "--json", "--overwrite", "--fresh", "--debug"],
+    ["m", "-b", "trtllm", "--dry-run", "--workers", "2", "--max-shard-size", "4GiB", "-q"],
+    ["m", "-b", "trtllm", "--on-ineligible", "keep", "--moe", "keep", "--revision", "main",
+     "--source-format", "sglang_mxfp8", "--quantize-towers", "--allow-no-quantized"],
+    ["m", "-b", "trtllm", "--max-shard-size=1.5 GB", "--workers=3"],
+])
+def test_the_fast_path_takes_these_lines_as_typer_reads_them(args):
+    assert check(args) is not None
+
+
+@pytest.mark.parametrize("args", [
+    ["m"], ["-b", "trtllm"], ["m", "n", "-b", "trtllm"], ["m", "-b", "TRTLLM"],
+    ["m", "-b", "trtllm", "-b", "cutlass"], ["m", "-b", "trtllm", "--workers", "0"],
+    ["m", "-b", "trtllm", "--workers", "01"], ["m", "-b", "trtllm", "--workers", "+1"],
+    ["m", "-b", "trtllm", "-o"], ["m", "-b", "trtllm", "-o", "-q"], ["m", "-b", "trtllm", "-ox"],
+    ["m", "-b", "trtllm", "-o=x"], ["m", "-b", "trtllm", "--json=1"], ["m", "-b", "trtllm", "--"],
+    ["m", "-b", "trtllm", "--help"], ["m", "-b", "trtllm", "--ignore", "lm_head"],
+    ["m", "-b", "trtllm", "--max-shard-size", "0"], ["m", "-b", "trtllm", "--max-shard-size", "x"],
+    ["m", "-b", "trtllm", "--num-parts", "2", "--part", "0"], ["m", "-b", "trtllm", "-qj"],
+    ["", "-b", "trtllm"], ["m", "-b", "trtllm", "-o", ""], ["-", "-b", "trtllm"],
+])
+def test_the_fast_path_leaves_other_lines_to_typer(args):
+    assert check(args) is None
+
+
+def test_the_fast_path_declines_while_click_completes(monkeypatch):
+    monkeypatch.setenv("_MXFP8_CONVERT_COMPLETE", "bash_complete")
+    assert convert_args(["m", "-b", "trtllm"]) is None
+
+
+_TOKENS = ["m", "n", "out", "-b", "--backend", "trtllm", "cutlass", "canonical", "-o",
+           "--output", "--json", "--quiet", "-q", "--dry-run", "--overwrite", "--fresh", "--debug",
+           "--workers", "1", "2", "0", "--max-shard-size", "5GB", "2GiB", "--moe", "fuse", "keep",
+           "--on-ineligible", "error", "--revision", "--source-format", "sglang_mxfp8", "block_fp8",
+           "--backend=trtllm", "--workers=2", "-", "--", "--ignore", "x", "=", "-o=o"]
+
+
+@hypothesis.settings(max_examples=300, deadline=None)
+@hypothesis.given(st.lists(st.sampled_from(_TOKENS), max_size=9))
+def test_any_line_the_fast_path_takes_typer_reads_the_same(args):
+    check(args)
+
+
+# --- the program on the fast path ------------------------------------------------------------
+
+SPEC = SynthSpec(layers=1, hidden=256, intermediate=512, heads=4, kv_heads=2, vocab=256, shards=2)
+
+PROBE = """
+import json, sys
+from mxfp8_convert.cli import main
+code = main(sys.argv[1:])
+loaded = [m for m in ("pydantic", "typer._adapters") if m in sys.modules]
+print(json.dumps({"code": code, "loaded": loaded}), file=sys.stderr)
+"""
+
+
+def _program(args, **kw) -> subprocess.CompletedProcess:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    return subprocess.run([sys.executable, "-c", PROBE, *map(str, args)], env=env,
+                          capture_output=True, text=True, **kw)
+
+
+@pytest.mark.parametrize("extra", [[], ["--json"], ["--dry-run"]])
+def test_a_conversion_on_the_fast_path_never_imports_pydantic(tmp_path, extra):
+    src = write_checkpoint(tmp_path / "model", SPEC)
+    r = _program([src, "--backend", "trtllm", "-o", tmp_path / "o", *extra])
+    probe = json.loads(r.stderr.strip().splitlines()[-1])
+    assert probe == {"code": 0, "loaded": []}, r.stderr
+    assert ((tmp_path / "o" / "mxfp8_convert.complete.json").exists()) != ("--dry-run" in extra)
+    if "--json" in extra:
+        assert json.loads(r.stdout)["output"] == str(tmp_path / "o")
+    # Typer's path (it alone reads "--workers=01") prints the same result
+    slow = _program([src, "--backend", "trtllm", "-o", tmp_path / "p", "--workers=01", *extra])
+    assert json.loads(slow.stderr.strip().splitlines()[-1])["loaded"] == ["pydantic",
+                                                                          "typer._adapters"]
+    assert slow.stdout.replace(str(tmp_path / "p"), "OUT").split("\n")[:3] == \
+        r.stdout.replace(str(tmp_path / "o"), "OUT").split("\n")[:3]
+
+
+@pytest.mark.parametrize("workers", ["1", "01"])  # the fast path, and Typer's
+def test_a_closed_stdout_ends_the_program_with_1_and_a_complete_output(tmp_path, workers):
+    src = write_checkpoint(tmp_path / "model", SPEC)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    r, w = os.pipe()
+    os.close(r)  # nobody reads the result
+    try:
+        proc = subprocess.run([sys.executable, "-m", "mxfp8_convert", str(src), "-b", "cutlass",
+                               "-o", str(tmp_path / "o"), f"--workers={workers}"], env=env,
+                              stdout=w, stderr=subprocess.PIPE, text=True)
+    finally:
+        os.close(w)
+    assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
+    assert (tmp_path / "o" / "mxfp8_convert.complete.json").exists()
