@@ -799,9 +799,13 @@ def clean_leftovers(dest: Path) -> None:
     its inode), is put aside, and the manifests go. With no destination but a work folder
     whose manifest records an output put aside, that output is put back: the destination holds
     the old output or the new one. Old outputs put aside (``.NAME.mxfp8-old-*``: real folders
-    of ours holding a completion marker, which is removed last, or empty) are removed.
+    of ours holding a completion marker, which is removed last, or empty) are removed. The
+    parent folder is fsynced after any of these changes, and only then: with nothing to clean
+    (the usual start) that fsync committed the file system's journal before the first write
+    for nothing.
     """
     work = partial_dir(dest)
+    changed = False
     if _is_output(dest) and _manifests(dest):
         rec = (_read_json(dest / MANIFEST_NAME) or {}).get("replacing")
         held = _recorded(dest.parent, rec, work.name)
@@ -810,17 +814,21 @@ def clean_leftovers(dest: Path) -> None:
         for n in _manifests(dest):
             remove_created(dest / n)
         _fsync_dir(dest)
+        changed = True
     elif not os.path.lexists(dest) and _is_work_folder(work):
         rec = (_read_json(work / MANIFEST_NAME) or {}).get("replacing")
         aside = _recorded(dest.parent, rec, rec.get("aside") if isinstance(rec, dict) else None)
         if aside is not None:
             os.rename(aside, dest)
+            changed = True
     prefix = f".{dest.name}{OLD_INFIX}"
     for n in sorted(os.listdir(dest.parent)):
         p = dest.parent / n
         if n.startswith(prefix) and _owned_dir(p) and (_is_output(p) or not os.listdir(p)):
             _remove_output(p)
-    _fsync_dir(dest.parent)
+            changed = True
+    if changed:
+        _fsync_dir(dest.parent)
 
 
 def _recorded(parent: Path, rec, name: str | None) -> Path | None:

@@ -624,3 +624,19 @@ def test_finalize_from_another_working_directory(tmp_path, monkeypatch):
     r = finalize(tmp_path / "a" / "out")
     assert verify(r.output, tmp_path / "a" / "src").ok
 
+
+def test_leftovers_cleaned_are_made_durable_and_a_clean_start_commits_nothing(tmp_path,
+                                                                            monkeypatch):
+    """The parent of the destination is fsynced after ``clean_leftovers`` changed it, and not
+    when there was nothing to clean (that fsync only forced a journal commit)."""
+    import mxfp8_convert.write as w
+
+    synced = []
+    monkeypatch.setattr(w, "_fsync_dir", lambda p: synced.append(Path(p)))
+    dest = tmp_path / "out"
+    w.clean_leftovers(dest)
+    assert synced == [] and sorted(os.listdir(tmp_path)) == []
+    aside = tmp_path / f".out{w.OLD_INFIX}0123abcd"  # an old output put aside, emptied
+    aside.mkdir()
+    w.clean_leftovers(dest)
+    assert not aside.exists() and synced == [tmp_path]
