@@ -17,6 +17,7 @@ import pytest
 import mxfp8_convert.cli as cli
 from mxfp8_convert.cli._fast import convert_args
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
+from tests.checkpoints import tree_hashes
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -143,3 +144,47 @@ def test_a_closed_stdout_ends_the_program_with_1_and_a_complete_output(tmp_path,
         os.close(w)
     assert proc.returncode == 1 and "Traceback" not in proc.stderr, proc.stderr
     assert (tmp_path / "o" / "mxfp8_convert.complete.json").exists()
+
+
+PRELOAD = """
+import json, sys, threading
+import mxfp8_convert.cli as cli
+cli.PRELOAD_AFTER = int(sys.argv[1])
+seen = {}
+class Finder:  # which thread first asks for each module the end of a conversion imports
+    @staticmethod
+    def find_spec(name, path=None, target=None):
+        if name in cli.CARD_MODULES + cli.TABLE_MODULES and name not in seen:
+            seen[name] = threading.current_thread().name
+sys.meta_path.insert(0, Finder)
+code = cli.main(sys.argv[2:])
+print(json.dumps({"code": code, "seen": seen, "switch": sys.getswitchinterval()}),
+      file=sys.stderr)
+"""
+
+
+@pytest.mark.parametrize("as_json", [False, True])
+def test_the_end_of_a_conversion_is_imported_on_a_thread_during_the_writes(tmp_path, as_json):
+    """Once ``PRELOAD_AFTER`` bytes are written, the model card's modules (and, for people, the
+    result table's) are imported on the preload thread; the output is byte for byte the one
+    written without it, the result text the same, the switch interval restored."""
+    src = write_checkpoint(tmp_path / "model", SPEC)
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    runs = {}
+    out = tmp_path / "o"  # one path for both: the table prints (and folds) it
+    for after in (0, 1 << 60):  # at the first chunk; never
+        args = [src, "-b", "trtllm", "-o", out, *(["--json"] if as_json else [])]
+        r = subprocess.run([sys.executable, "-c", PRELOAD, str(after), *map(str, args)],
+                           env=env, capture_output=True, text=True)
+        probe = json.loads(r.stderr.strip().splitlines()[-1])
+        assert probe["code"] == 0 and probe["switch"] == 0.005, r.stderr
+        runs[after] = probe["seen"], tree_hashes(out), r.stdout
+        out.rename(tmp_path / f"o{after}")
+    seen, files, text = runs[0]
+    want = set(cli.CARD_MODULES) | (set() if as_json else set(cli.TABLE_MODULES))
+    assert {m for m, thread in seen.items() if thread == "mxfp8-preload"} == want, seen
+    assert set(runs[1 << 60][0].values()) == {"MainThread"}
+    assert files == runs[1 << 60][1]
+    strip = (lambda t: {k: v for k, v in json.loads(t).items() if k != "seconds"}) if as_json \
+        else (lambda t: [ln for ln in t.splitlines() if "time" not in ln])
+    assert strip(text) == strip(runs[1 << 60][2])

@@ -10,11 +10,13 @@ from __future__ import annotations
 import enum
 import errno
 import gc
+import importlib
 import math
 import os
 import re
 import signal
 import sys
+import threading
 from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
@@ -284,6 +286,9 @@ def run_convert(model: str, backend: str, *, output: str | None, overwrite: bool
     out = Output(as_json=as_json, quiet=quiet)
     with _planning_only(dry_run):
         with handle_errors(out, debug=debug), out.progress() as on_progress:
+            if not dry_run:
+                on_progress = _preloading(on_progress, CARD_MODULES if as_json
+                                          else CARD_MODULES + TABLE_MODULES)
             result = convert(model, backend, output, overwrite=overwrite, dry_run=dry_run,
                              source_format=source_format, on_ineligible=on_ineligible,
                              ignore=ignore, revision=revision, fresh=fresh,
@@ -298,6 +303,48 @@ def run_convert(model: str, backend: str, *, output: str | None, overwrite: bool
                 doc["push"] = _verify_and_push(out, result, push_to_hub, private, push_branch)
         with paused_gc():
             out.result(doc, lambda console: _render_convert(console, result, doc.get("push")))
+
+
+#: what the end of a conversion imports: the model card's modules (``publish``) and, for people,
+#: the result table's. They are imported on a thread once this many bytes are on their way to
+#: the disk, which then stays busy with the writes queued meanwhile; at the end they took
+#: 0.07-0.2 s after the last write (BENCHMARKS.md, issue 25)
+PRELOAD_AFTER = 64 << 20
+CARD_MODULES = ("huggingface_hub.repocard_data", "safetensors")
+TABLE_MODULES = ("rich.console", "rich.table")
+#: the interpreter's thread switch interval while they load (default 5 ms): the shard writer's
+#: threads, which need the GIL only between their C calls (copies, hashes, writes), each wait at
+#: most this long for it
+PRELOAD_SWITCH_S = 0.0005
+
+
+def _preloading(progress, modules: tuple[str, ...]):
+    """``progress``, which also starts ``_preload(modules)`` on a thread, once, at the first
+    event of ``PRELOAD_AFTER`` bytes transformed (events may come from several workers)."""
+    once = threading.Lock()
+
+    def on_event(e) -> None:
+        if (e.stage == "transforming" and e.bytes_done >= PRELOAD_AFTER
+                and once.acquire(blocking=False)):
+            threading.Thread(target=_preload, args=(modules,), name="mxfp8-preload",
+                             daemon=True).start()
+        progress(e)
+
+    return on_event
+
+
+def _preload(modules: tuple[str, ...]) -> None:
+    """Import ``modules`` (a failure is left for their real import to report)."""
+    before = sys.getswitchinterval()
+    sys.setswitchinterval(min(before, PRELOAD_SWITCH_S))
+    try:
+        for name in modules:
+            try:
+                importlib.import_module(name)
+            except Exception:  # noqa: BLE001, S112 - the import that needs it raises it again
+                continue
+    finally:
+        sys.setswitchinterval(before)
 
 
 def _verify_and_push(out, result, repo: str, private: bool, branch: str | None) -> dict:
