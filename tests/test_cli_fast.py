@@ -25,16 +25,19 @@ ROOT = Path(__file__).resolve().parents[1]
 def typer_reading(args: list[str]) -> dict | None:
     """What Typer's ``convert_cmd`` passes to ``run_convert`` for ``convert ARGS``, or None
     where Typer refuses the line (a usage error) or does not convert (``--help``)."""
+    from mxfp8_convert.cli import _app
+
     got = []
-    real = cli.run_convert
-    cli.run_convert = lambda model, backend, **kw: got.append({"model": model,
-                                                               "backend": backend, **kw})
+    real = _app.run_convert
+    _app.run_convert = lambda model, backend, **kw: got.append({"model": model,
+                                                                "backend": backend, **kw})
     try:
-        code = cli.app(args=["convert", *args], prog_name="mxfp8-convert", standalone_mode=False)
-    except cli._errors.UsageError:
+        code = _app.app(args=["convert", *args], prog_name="mxfp8-convert",
+                        standalone_mode=False)
+    except _app.UsageError:
         return None
     finally:
-        cli.run_convert = real
+        _app.run_convert = real
     assert code in (None, 0)
     return got[0] if got else None
 
@@ -102,7 +105,7 @@ PROBE = """
 import json, sys
 from mxfp8_convert.cli import main
 code = main(sys.argv[1:])
-loaded = [m for m in ("pydantic", "typer._adapters") if m in sys.modules]
+loaded = [m for m in ("pydantic", "typer", "typer._adapters") if m in sys.modules]
 print(json.dumps({"code": code, "loaded": loaded}), file=sys.stderr)
 """
 
@@ -114,7 +117,7 @@ def _program(args, **kw) -> subprocess.CompletedProcess:
 
 
 @pytest.mark.parametrize("extra", [[], ["--json"], ["--dry-run"]])
-def test_a_conversion_on_the_fast_path_never_imports_pydantic(tmp_path, extra):
+def test_a_conversion_on_the_fast_path_never_imports_typer_or_pydantic(tmp_path, extra):
     src = write_checkpoint(tmp_path / "model", SPEC)
     r = _program([src, "--backend", "trtllm", "-o", tmp_path / "o", *extra])
     probe = json.loads(r.stderr.strip().splitlines()[-1])
@@ -124,8 +127,8 @@ def test_a_conversion_on_the_fast_path_never_imports_pydantic(tmp_path, extra):
         assert json.loads(r.stdout)["output"] == str(tmp_path / "o")
     # Typer's path (it alone reads "--workers=01") prints the same result
     slow = _program([src, "--backend", "trtllm", "-o", tmp_path / "p", "--workers=01", *extra])
-    assert json.loads(slow.stderr.strip().splitlines()[-1])["loaded"] == ["pydantic",
-                                                                          "typer._adapters"]
+    assert json.loads(slow.stderr.strip().splitlines()[-1])["loaded"] == [
+        "pydantic", "typer", "typer._adapters"]
     assert slow.stdout.replace(str(tmp_path / "p"), "OUT").split("\n")[:3] == \
         r.stdout.replace(str(tmp_path / "o"), "OUT").split("\n")[:3]
 
@@ -149,12 +152,12 @@ def test_a_closed_stdout_ends_the_program_with_1_and_a_complete_output(tmp_path,
 PRELOAD = """
 import json, sys, threading
 import mxfp8_convert.cli as cli
-cli.PRELOAD_AFTER = int(sys.argv[1])
+cli._run.PRELOAD_AFTER = int(sys.argv[1])
 seen = {}
 class Finder:  # which thread first asks for each module the end of a conversion imports
     @staticmethod
     def find_spec(name, path=None, target=None):
-        if name in cli.CARD_MODULES + cli.TABLE_MODULES and name not in seen:
+        if name in cli._run.CARD_MODULES + cli._run.TABLE_MODULES and name not in seen:
             seen[name] = threading.current_thread().name
 sys.meta_path.insert(0, Finder)
 code = cli.main(sys.argv[2:])
@@ -181,7 +184,7 @@ def test_the_end_of_a_conversion_is_imported_on_a_thread_during_the_writes(tmp_p
         runs[after] = probe["seen"], tree_hashes(out), r.stdout
         out.rename(tmp_path / f"o{after}")
     seen, files, text = runs[0]
-    want = set(cli.CARD_MODULES) | (set() if as_json else set(cli.TABLE_MODULES))
+    want = set(cli._run.CARD_MODULES) | (set() if as_json else set(cli._run.TABLE_MODULES))
     assert {m for m, thread in seen.items() if thread == "mxfp8-preload"} == want, seen
     assert set(runs[1 << 60][0].values()) == {"MainThread"}
     assert files == runs[1 << 60][1]

@@ -185,7 +185,8 @@ CHILD = textwrap.dedent(r"""
             return real_bytes(self, *a)
         reader.bytes = read_bytes
     elif point in ("parsing", "parsing-typer"):  # the fast path's reading, or Typer's
-        real_app, real_fast = cli.app, cli.convert_args
+        import mxfp8_convert.cli._app as typer_app
+        real_app, real_fast = typer_app.app, cli.convert_args
         def app(*a, **kw):
             pause()
             return real_app(*a, **kw)
@@ -194,7 +195,7 @@ CHILD = textwrap.dedent(r"""
                 return None
             pause()
             return real_fast(args)
-        cli.app, cli.convert_args = app, convert_args
+        typer_app.app, cli.convert_args = app, convert_args
     elif point == "printing":
         real_result = cli.Output.result
         def result(self, *a, **kw):

@@ -13,16 +13,14 @@ import traceback
 from collections.abc import Callable
 from contextlib import contextmanager
 
-import typer
-from typer.core import TyperCommand
-
 from mxfp8_convert.errors import ConvertError
 
 EXIT_OK, EXIT_FAILED, EXIT_USAGE, EXIT_SIGINT, EXIT_SIGTERM = 0, 1, 2, 130, 143
 
-#: the base of every command-line usage error (missing or bad option values, unknown options):
-#: Click's ``UsageError``, vendored inside Typer, reached through the one name Typer exports
-UsageError = typer.BadParameter.__base__
+
+class Exit(SystemExit):
+    """The exit code ``handle_errors`` decided on: raised as ``SystemExit``, which Typer lets
+    through to ``main`` as it does ``typer.Exit``, so the program needs no Typer to exit."""
 
 
 class Interrupted(BaseException):
@@ -66,7 +64,7 @@ def handle_errors(out, *, debug: bool = False):
     debug = debug or bool(os.environ.get("MXFP8_CONVERT_DEBUG"))
     try:
         yield
-    except typer.Exit:
+    except Exit:
         raise
     except BaseException as e:  # noqa: BLE001 - the table decides; unknown ones re-raise
         for kind, code, message in ERROR_TABLE:
@@ -74,36 +72,7 @@ def handle_errors(out, *, debug: bool = False):
                 if debug:
                     traceback.print_exc()
                 out.fail(message(e), getattr(e, "hint", None) or HINTS.get(code))
-                raise typer.Exit(code) from None
+                raise Exit(code) from None
         if out.as_json:
             out.error_document(f"internal error: {type(e).__name__}: {e}", BUG_HINT)
-        raise
-
-
-class JsonErrorCommand(TyperCommand):
-    """A command whose usage errors also print the ``--json`` error document on stdout.
-
-    Typer still prints its own usage message on stderr and exits 2.
-    """
-
-    def parse_args(self, ctx, args: list[str]) -> list[str]:
-        with _usage_document("--json" in args):
-            return super().parse_args(ctx, args)
-
-    def invoke(self, ctx):
-        with _usage_document(bool(ctx.params.get("as_json"))):
-            return super().invoke(ctx)
-
-
-@contextmanager
-def _usage_document(as_json: bool):
-    try:
-        yield
-    except UsageError as e:
-        if as_json:
-            from mxfp8_convert.cli._output import Output
-
-            ctx = getattr(e, "ctx", None)
-            hint = f"see `{ctx.command_path} --help`" if ctx is not None else None
-            Output(as_json=True).error_document(e.format_message(), hint)
         raise
