@@ -150,7 +150,7 @@ def test_a_closed_stdout_ends_the_program_with_1_and_a_complete_output(tmp_path,
 
 
 PRELOAD = """
-import json, sys, threading
+import json, sys, threading, time
 import mxfp8_convert.cli as cli
 cli._run.PRELOAD_AFTER = int(sys.argv[1])
 seen = {}
@@ -159,18 +159,29 @@ class Finder:  # which thread first asks for each module the end of a conversion
     def find_spec(name, path=None, target=None):
         if name in cli._run.CARD_MODULES + cli._run.TABLE_MODULES and name not in seen:
             seen[name] = threading.current_thread().name
+            if seen[name] == "mxfp8-preload":
+                time.sleep(0.3)  # a slow import: still running when the writes end
 sys.meta_path.insert(0, Finder)
+import mxfp8_convert.publish as publish
+run = sys.modules["mxfp8_convert.run"]
+real_card = run.write_model_card
+alive = []  # whether the preload thread still runs when the end of the conversion starts
+def card(*a, **kw):
+    alive.append(any(t.name == "mxfp8-preload" for t in threading.enumerate()))
+    return real_card(*a, **kw)
+run.write_model_card = card
 code = cli.main(sys.argv[2:])
-print(json.dumps({"code": code, "seen": seen, "switch": sys.getswitchinterval()}),
-      file=sys.stderr)
+print(json.dumps({"code": code, "seen": seen, "switch": sys.getswitchinterval(),
+                  "alive": alive}), file=sys.stderr)
 """
 
 
 @pytest.mark.parametrize("as_json", [False, True])
 def test_the_end_of_a_conversion_is_imported_on_a_thread_during_the_writes(tmp_path, as_json):
     """Once ``PRELOAD_AFTER`` bytes are written, the model card's modules (and, for people, the
-    result table's) are imported on the preload thread; the output is byte for byte the one
-    written without it, the result text the same, the switch interval restored."""
+    result table's) are imported on the preload thread, which has ended when the card is
+    written; the output is byte for byte the one written without it, the result text the same,
+    the switch interval restored."""
     src = write_checkpoint(tmp_path / "model", SPEC)
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     runs = {}
@@ -181,6 +192,7 @@ def test_the_end_of_a_conversion_is_imported_on_a_thread_during_the_writes(tmp_p
                            env=env, capture_output=True, text=True)
         probe = json.loads(r.stderr.strip().splitlines()[-1])
         assert probe["code"] == 0 and probe["switch"] == 0.005, r.stderr
+        assert probe["alive"] == [False], probe
         runs[after] = probe["seen"], tree_hashes(out), r.stdout
         out.rename(tmp_path / f"o{after}")
     seen, files, text = runs[0]

@@ -101,7 +101,6 @@ def script() -> None:
     raise SystemExit(code)
 
 
-
 #: names of the Typer app module (``_app``) reached from here, imported on first use
 _APP_NAMES = frozenset({"app", "parse_size", "convert_cmd", "verify_cmd", "inspect_cmd",
                         "finalize_cmd", "EPILOG", "Backend", "SourceFormat", "OnIneligible",

@@ -35,16 +35,19 @@ def run_convert(model: str, backend: str, *, output: str | None, overwrite: bool
     out = Output(as_json=as_json, quiet=quiet)
     with _planning_only(dry_run):
         with handle_errors(out, debug=debug), out.progress() as on_progress:
-            if not dry_run:
-                on_progress = _preloading(on_progress, CARD_MODULES if as_json
-                                          else CARD_MODULES + TABLE_MODULES)
-            result = convert(model, backend, output, overwrite=overwrite, dry_run=dry_run,
-                             source_format=source_format, on_ineligible=on_ineligible,
-                             ignore=ignore, revision=revision, fresh=fresh,
-                             hub_repo_id=push_to_hub, progress=on_progress, part=part,
-                             workers=workers, max_memory=max_memory, moe=moe,
-                             quantize_towers=quantize_towers,
-                             allow_no_quantized=allow_no_quantized, max_shard_size=max_shard_size)
+            preload = _Preload(() if dry_run else
+                               CARD_MODULES if as_json else CARD_MODULES + TABLE_MODULES)
+            try:
+                result = convert(model, backend, output, overwrite=overwrite, dry_run=dry_run,
+                                 source_format=source_format, on_ineligible=on_ineligible,
+                                 ignore=ignore, revision=revision, fresh=fresh,
+                                 hub_repo_id=push_to_hub, progress=preload.around(on_progress),
+                                 part=part, workers=workers, max_memory=max_memory, moe=moe,
+                                 quantize_towers=quantize_towers,
+                                 allow_no_quantized=allow_no_quantized,
+                                 max_shard_size=max_shard_size)
+            finally:  # before anything else prints (an error: rich) or imports
+                preload.join()
         with paused_gc():  # a dry run's document: a dict per module and tensor (``_gc``)
             doc = result.to_dict()
         if push_to_hub is not None:
@@ -57,7 +60,7 @@ def run_convert(model: str, backend: str, *, output: str | None, overwrite: bool
 #: what the end of a conversion imports: the model card's modules (``publish``) and, for people,
 #: the result table's. They are imported on a thread once this many bytes are on their way to
 #: the disk, which then stays busy with the writes queued meanwhile; at the end they took
-#: 0.07-0.2 s after the last write (BENCHMARKS.md, issue 25)
+#: 0.06-0.19 s after the last write (BENCHMARKS.md, issue 25)
 PRELOAD_AFTER = 64 << 20
 CARD_MODULES = ("huggingface_hub.repocard_data", "safetensors")
 TABLE_MODULES = ("rich.console", "rich.table")
@@ -67,19 +70,35 @@ TABLE_MODULES = ("rich.console", "rich.table")
 PRELOAD_SWITCH_S = 0.0005
 
 
-def _preloading(progress, modules: tuple[str, ...]):
-    """``progress``, which also starts ``_preload(modules)`` on a thread, once, at the first
-    event of ``PRELOAD_AFTER`` bytes transformed (events may come from several workers)."""
-    once = threading.Lock()
+class _Preload:
+    """``modules`` imported on a thread from the first progress event of ``PRELOAD_AFTER``
+    bytes transformed (events may come from several workers), and waited for at the "writing"
+    event, which starts the end of the conversion, or at ``join()``: so the end never imports
+    one of them beside this thread (two threads importing one package can deadlock on its
+    import locks, and Python then hands one of them the package half made)."""
 
-    def on_event(e) -> None:
-        if (e.stage == "transforming" and e.bytes_done >= PRELOAD_AFTER
-                and once.acquire(blocking=False)):
-            threading.Thread(target=_preload, args=(modules,), name="mxfp8-preload",
-                             daemon=True).start()
-        progress(e)
+    def __init__(self, modules: tuple[str, ...]) -> None:
+        self.modules = modules
+        self._once = threading.Lock()
+        self._thread: threading.Thread | None = None
 
-    return on_event
+    def around(self, progress):
+        """``progress``, starting and ending the imports on the way."""
+        def on_event(e) -> None:
+            if e.stage == "writing":
+                self.join()
+            elif (self.modules and e.stage == "transforming" and e.bytes_done >= PRELOAD_AFTER
+                    and self._once.acquire(blocking=False)):
+                self._thread = threading.Thread(target=_preload, args=(self.modules,),
+                                                name="mxfp8-preload", daemon=True)
+                self._thread.start()
+            progress(e)
+
+        return on_event
+
+    def join(self) -> None:
+        if self._thread is not None:
+            self._thread.join()
 
 
 def _preload(modules: tuple[str, ...]) -> None:
