@@ -17,7 +17,10 @@ checkpoint's tensors in the user's cache (``$XDG_CACHE_HOME/mxfp8-convert/archit
 under a key of everything they depend on: this module's source, the installed transformers and
 torch (version and their wheel's file list with hashes), config.json and the tensors' names and
 shapes. A file that does not read back as exactly the entry for that key is ignored and made
-again.
+again. Where they are not cached, ``decisions_later()`` makes them in a child process (this file
+run as a script) while the caller goes on without them: a conversion plans on the name rules
+meanwhile and keeps what it wrote only if the architecture's plan writes the same bytes
+(``run.plan_guessing``).
 """
 
 from __future__ import annotations
@@ -27,6 +30,8 @@ import hashlib
 import json
 import os
 import re
+import subprocess
+import sys
 import tempfile
 from collections.abc import Callable
 from contextlib import contextmanager
@@ -350,6 +355,104 @@ def decisions(config: dict | None, tensors: list[Query]) -> ModelArchitecture | 
     return arch
 
 
+def decisions_later(config: dict | None, tensors: list[Query]) -> Pending | None:
+    """``decisions(config, tensors)`` made by a child process where they would be built here
+    (not cached: the architecture is built), so that the caller need not wait for transformers'
+    imports; None where ``decisions()`` answers at once (a cache hit, no config.json, no
+    transformers)."""
+    if not isinstance(config, dict) or not config:
+        return None
+    key = _cache_key(config, tensors)
+    if key is None:
+        return None
+    path = None
+    if os.environ.get(NO_CACHE_ENV, "") in ("", "0"):
+        path = cache_root() / "architecture" / f"{key}.json"
+        if _read_cache(path, key, tensors) is not None:
+            return None
+    return Pending(config, tensors, key, path)
+
+
+class Pending:
+    """The decisions for ``tensors`` being made by a child process: this file run as a script
+    (``_child``: it imports torch and transformers and builds the architecture; it never
+    imports this package). ``result()`` waits for them, caches them as ``decisions()`` does
+    (at ``path``; None: not cached), and makes them here where the child did not (it failed,
+    was killed, or wrote anything but its answer): the same decisions, and any error raised
+    here as it is today."""
+
+    def __init__(self, config: dict, tensors: list[Query], key: str, path: Path | None) -> None:
+        self.config, self.tensors, self.key, self.path = config, tensors, key, path
+        self._folder = tempfile.TemporaryDirectory(prefix="mxfp8-convert-architecture-")
+        folder = Path(self._folder.name)
+        (folder / "in.json").write_text(json.dumps(
+            {"config": config, "tensors": [[n, list(shape)] for n, shape in tensors]}))
+        # -P: the script's folder (this package) is not put on sys.path
+        self._proc = subprocess.Popen(
+            [sys.executable, "-P", str(Path(__file__).resolve()), str(folder)],
+            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        self._made: CachedDecisions | NameRules | ModelArchitecture | None = None
+
+    def done(self) -> bool:
+        """Whether ``result()`` returns without waiting for the child."""
+        return self._made is not None or self._proc.poll() is not None
+
+    def result(self) -> CachedDecisions | NameRules | ModelArchitecture:
+        """What ``decisions(config, tensors)`` returns on a cache miss, for the same tensors."""
+        if self._made is None:
+            self._proc.wait()
+            made = self._answer()
+            self.close()
+            if made is None:  # the child did not answer: build the architecture here
+                made = architecture(self.config)
+                if self.path is not None and made.basis == "architecture":
+                    _write_cache(self.path, self.key, [(t, made.decide(*t)) for t in self.tensors])
+            self._made = made
+        return self._made
+
+    def _answer(self) -> CachedDecisions | NameRules | None:
+        try:
+            doc = json.loads((Path(self._folder.name) / "out.json").read_bytes())
+        except (OSError, ValueError):
+            return None
+        got = doc.get("decisions") if isinstance(doc, dict) else None
+        if self._proc.returncode != 0 or not isinstance(got, list) or len(got) != len(
+                self.tensors) or not all(isinstance(d, list) for d in got):
+            return None
+        made = _entries(self.tensors, [[n, *d] for (n, _), d in zip(self.tensors, got,
+                                                                    strict=True)])
+        if made is None:
+            return None
+        if doc.get("basis") == "names":
+            rules = NameRules(doc.get("reason"), doc.get("experts"))
+            same = all(rules.decide(*t) == made[t] for t in self.tensors)
+            return rules if isinstance(rules.reason, str) and same else None
+        if self.path is not None:
+            _write_cache(self.path, self.key, list(made.items()))
+        return CachedDecisions(made, lambda: architecture(self.config))
+
+    def close(self) -> None:
+        """Stop the child (if it still runs) and remove its files."""
+        if self._proc.poll() is None:
+            self._proc.kill()
+            self._proc.wait()
+        self._folder.cleanup()
+
+
+def _child(folder: Path) -> None:
+    """The child of ``Pending``: the decisions for ``folder/in.json``'s config and tensors, in
+    ``folder/out.json`` (written whole, then renamed)."""
+    doc = json.loads((folder / "in.json").read_bytes())
+    tensors = [(name, tuple(shape)) for name, shape in doc["tensors"]]
+    arch = architecture(doc["config"])
+    out = {"basis": arch.basis,
+           "decisions": [[d.kind, d.basis, d.why] for d in (arch.decide(*t) for t in tensors)]}
+    if isinstance(arch, NameRules):
+        out |= {"reason": arch.reason, "experts": arch.experts}
+    (folder / "out.tmp").write_text(json.dumps(out))
+    os.replace(folder / "out.tmp", folder / "out.json")
+
+
 def _installed(dist: str) -> list[str] | None:
     """What identifies an installed distribution without importing it: where it is, its
     version and the sha256 of its RECORD (every file of a wheel install, with its hash)."""
@@ -386,11 +489,18 @@ def _read_cache(path: Path, key: str, tensors: list[Query]) -> dict[Query, Decis
     except (OSError, ValueError):  # missing, unreadable, not JSON
         return None
     if (not isinstance(doc, dict) or doc.get("format") != CACHE_FORMAT or doc.get("key") != key
-            or not isinstance(doc.get("decisions"), list)
-            or len(doc["decisions"]) != len(tensors)):
+            or not isinstance(doc.get("decisions"), list)):
+        return None
+    return _entries(tensors, doc["decisions"])
+
+
+def _entries(tensors: list[Query], entries: list) -> dict[Query, Decision] | None:
+    """``[name, kind, basis, why]`` for each of ``tensors``, in order, as decisions; None
+    unless ``entries`` are exactly that."""
+    if len(entries) != len(tensors):
         return None
     made = {}
-    for (name, shape), entry in zip(tensors, doc["decisions"], strict=True):
+    for (name, shape), entry in zip(tensors, entries, strict=True):
         if (not isinstance(entry, list) or len(entry) != 4 or entry[0] != name
                 or entry[1] not in KINDS or entry[2] not in ("architecture", "names")
                 or not isinstance(entry[3], str)):
@@ -413,3 +523,7 @@ def _write_cache(path: Path, key: str, made: list[tuple[Query, Decision]]) -> No
     except OSError:  # read-only or full disk, no home: the next run builds the architecture
         if tmp is not None:
             Path(tmp).unlink(missing_ok=True)
+
+
+if __name__ == "__main__":  # the child process of ``Pending``
+    _child(Path(sys.argv[1]))
