@@ -33,7 +33,9 @@ from mxfp8_convert.read import (
 )
 from mxfp8_convert.run import (
     ConversionResult,
+    Mispredicted,
     Modes,
+    PlanGuess,
     ProgressCallback,
     ProgressEvent,
     SourceProof,
@@ -42,6 +44,7 @@ from mxfp8_convert.run import (
     note_if_complete,
     output_names,
     plan_conversion,
+    plan_guessing,
     shard_metadata,
 )
 from mxfp8_convert.transform import (
@@ -134,12 +137,38 @@ def convert(
         ConvertError: any problem with the source, format, layout or destination; nothing is
             left at the destination and the source is never modified.
     """
+    options = dict(source_format=source_format, on_ineligible=on_ineligible, ignore=ignore,
+                   revision=revision, moe=moe, quantize_towers=quantize_towers,
+                   allow_no_quantized=allow_no_quantized, progress=progress,
+                   max_shard_size=max_shard_size)
+    run = dict(output=output, overwrite=overwrite, dry_run=dry_run, fresh=fresh,
+               hub_repo_id=hub_repo_id, part=part, workers=workers, max_memory=max_memory,
+               progress=progress, on_ineligible=on_ineligible, ignore=ignore, moe=moe,
+               quantize_towers=quantize_towers, allow_no_quantized=allow_no_quantized,
+               max_shard_size=max_shard_size)
     t0 = time.perf_counter()
-    ckpt, plan = plan_conversion(model, backend, source_format=source_format,
-                                 on_ineligible=on_ineligible, ignore=ignore, revision=revision,
-                                 moe=moe, quantize_towers=quantize_towers,
-                                 allow_no_quantized=allow_no_quantized, progress=progress,
-                                 max_shard_size=max_shard_size)
+    if dry_run or part is not None:  # nothing to overlap the architecture's build with
+        ckpt, plan = plan_conversion(model, backend, **options)
+        return _convert(model, ckpt, plan, None, backend, t0, **run)
+    ckpt, plan, guess = plan_guessing(model, backend, **options)
+    try:
+        return _convert(model, ckpt, plan, guess, backend, t0, **run)
+    except Mispredicted:  # what was written is gone: convert on the architecture's plan
+        ckpt, plan = plan_conversion(model, backend, **options)
+        return _convert(model, ckpt, plan, None, backend, t0, **run)
+    finally:
+        if guess is not None:
+            guess.close()
+
+
+def _convert(model: str | Path, ckpt: SourceCheckpoint, plan: ConversionPlan,
+             guess: PlanGuess | None, backend: str, t0: float, *, output, overwrite, dry_run,
+             fresh, hub_repo_id, part, workers, max_memory, progress, on_ineligible, ignore,
+             moe, quantize_towers, allow_no_quantized, max_shard_size) -> ConversionResult:
+    """``convert()`` on ``plan``. A ``guess``'s plan (made on the name rules) is checked
+    against the architecture's as soon as that is made, and replaced by it before the output
+    is finished; where they would write different bytes (``Mispredicted``), or the run stops
+    before that is known, the work folder is removed (never resumed from)."""
     dest = Path(output) if output is not None else default_output(str(model), backend)
     # an existing output: a real run checks under the lock; a dry run writes nothing (it is noted)
     check_destination(dest, ckpt.root, overwrite=overwrite, part=None if part is None else part[0],
@@ -166,7 +195,7 @@ def convert(
         staging.suspend() if staging.files else staging.abort()
         raise
     shard_writing = _ShardWriting(ckpt, plan, get_backend(backend), staging,
-                                  progress or (lambda e: None), modes)
+                                  progress or (lambda e: None), modes, guess)
     errors = shard_writing.errors
     try:
         n_workers = _workers(plan, workers, max_memory)
@@ -180,19 +209,22 @@ def convert(
             written = sum(f["size"] for f in files.values())
             return ConversionResult(str(ckpt.root), None, plan, False, time.perf_counter() - t0,
                                     written, dict(sorted(errors.items())), part=part)
+        if guess is not None:
+            plan = guess.final()  # the architecture's: its marker, config, card and result
         written = finish_output(ckpt, plan, staging.path, files, errors, modes=modes,
                                 hub_repo_id=hub_repo_id, emit=shard_writing.emit,
                                 done=shard_writing.done)
         staging.commit()
-    except DiskFullError as e:
-        _suspend_full(staging, e)
-        raise
-    except ConvertError:
-        staging.abort()  # bad input or output: nothing worth resuming
-        raise
     except BaseException as e:
-        staging.suspend()  # interrupted: the next run with the same parameters resumes
-        note_if_complete(staging, e)
+        if guess is not None and not guess.confirmed:
+            staging.abort()  # written on a plan that may not be the architecture's
+        elif isinstance(e, DiskFullError):
+            _suspend_full(staging, e)
+        elif isinstance(e, ConvertError):
+            staging.abort()  # bad input or output: nothing worth resuming
+        else:
+            staging.suspend()  # interrupted: the next run with the same parameters resumes
+            note_if_complete(staging, e)
         raise
     return ConversionResult(str(ckpt.root), str(dest), plan, False, time.perf_counter() - t0,
                             written, dict(sorted(errors.items())))
@@ -318,9 +350,10 @@ class _ShardWriting:
     and collects the modules' quantization errors and the progress."""
 
     def __init__(self, ckpt: SourceCheckpoint, plan: ConversionPlan, backend: BackendSpec,
-                 staging: Staging, emit: ProgressCallback, modes: Modes) -> None:
+                 staging: Staging, emit: ProgressCallback, modes: Modes,
+                 guess: PlanGuess | None = None) -> None:
         self.ckpt, self.plan, self.backend, self.emit = ckpt, plan, backend, emit
-        self.staging, self.modes = staging, modes
+        self.staging, self.modes, self.guess = staging, modes, guess
         self.proof = SourceProof(ckpt, plan)
         self.errors: dict[str, dict] = {}
         self.in_flight = 1
@@ -384,6 +417,8 @@ class _ShardWriting:
 
     def _advance(self, n: int, shard: str, tensor: str | None) -> None:
         check_source_unchanged()  # workers stop too when another process changes a source shard
+        if self.guess is not None:
+            self.guess.check()  # stop as soon as the architecture's plan differs
         with self._lock:
             self.done += n
             done = self.done

@@ -5,9 +5,11 @@ card and, last, the completion marker)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import os
 import stat
+import threading
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -30,7 +32,14 @@ from mxfp8_convert.format import (
     is_marker,
 )
 from mxfp8_convert.formats import detect_source
-from mxfp8_convert.plan import ConversionPlan, ModulePlan, MoELayerPlan, ShardPlan, build_plan
+from mxfp8_convert.plan import (
+    ConversionPlan,
+    ModulePlan,
+    MoELayerPlan,
+    ShardPlan,
+    build_plan,
+    classify,
+)
 from mxfp8_convert.plan.shards import DEFAULT_MAX_SHARD_SIZE
 from mxfp8_convert.publish import CARD_NAME, write_model_card
 from mxfp8_convert.read import (
@@ -124,6 +133,106 @@ def plan_conversion(  # that was made during it, once instead of once per step (
     return ckpt, build_plan(ckpt, spec, fmt, on_ineligible=on_ineligible, ignore=ignore, moe=moe,
                             quantize_towers=quantize_towers, allow_no_quantized=allow_no_quantized,
                             max_shard_size=max_shard_size)
+
+
+class Mispredicted(Exception):
+    """A plan made on the name rules (``PlanGuess``) writes other bytes than the architecture's:
+    what was written is discarded and the conversion starts again on the architecture's."""
+
+
+class PlanGuess:
+    """A plan made on the name rules while a child process builds the dense source's
+    architecture (``classify.Guess``). ``final()`` is the architecture's plan, which the
+    conversion keeps what it wrote for only where it writes the same bytes as the guess
+    (``same_bytes``): the result, marker, config and card are always the architecture's."""
+
+    def __init__(self, guess: classify.Guess, plan: ConversionPlan,
+                 replan: Callable[[], ConversionPlan]) -> None:
+        self.guess, self.plan, self._replan = guess, plan, replan
+        self._final: ConversionPlan | None = None
+        self._wrong = False
+        self._lock = threading.Lock()
+
+    @property
+    def confirmed(self) -> bool:
+        return self._final is not None
+
+    def check(self) -> None:
+        """Without waiting: once the child has answered, compare the plans.
+
+        Raises:
+            Mispredicted: the architecture's plan writes other bytes.
+        """
+        pending = self.guess.pending
+        if self._final is None and (pending is None or pending.done()):
+            self.final()
+
+    def final(self) -> ConversionPlan:
+        """The architecture's plan (waits for the child).
+
+        Raises:
+            Mispredicted: it writes other bytes than the guess, or cannot be made.
+        """
+        with self._lock:
+            if self._final is None and not self._wrong:
+                self.guess.resolve()
+                try:
+                    real = self._replan()
+                except ConvertError as e:
+                    self._wrong = True
+                    raise Mispredicted(str(e)) from e
+                self._wrong = not same_bytes(real, self.plan)
+                self._final = None if self._wrong else real
+            if self._wrong:
+                raise Mispredicted("the name rules' plan is not the architecture's")
+            return self._final
+
+    def close(self) -> None:
+        self.guess.close()
+
+
+def same_bytes(a: ConversionPlan, b: ConversionPlan) -> bool:
+    """Whether two plans of one source write the same output bytes: all they hold but how
+    each module was found (``decided_by``) and the weights they leave as they are (whose names
+    the marker holds) is the same."""
+    return _bytes_of(a) == _bytes_of(b)
+
+
+def _bytes_of(plan: ConversionPlan) -> ConversionPlan:
+    def strip(modules):
+        return tuple(m._replace(decided_by="") for m in modules)
+
+    moe = tuple(dataclasses.replace(x, gate=strip(x.gate), up=strip(x.up), down=strip(x.down))
+                for x in plan.moe)
+    return dataclasses.replace(plan, modules=strip(plan.modules), moe=moe, unquantized=())
+
+
+def plan_guessing(model: str | Path, backend: str, **options) -> tuple[
+        SourceCheckpoint, ConversionPlan, PlanGuess | None]:
+    """``plan_conversion(model, backend, **options)``, except that where a dense source's
+    architecture is not cached, the plan is made on the name rules while a child process
+    builds it, with the ``PlanGuess`` that confirms it (None: the plan is final)."""
+    guess = classify.Guess()
+    classify._GUESS.append(guess)
+    try:
+        ckpt, plan = plan_conversion(model, backend, **options)
+    except ConvertError:
+        if guess.pending is None:
+            raise
+        guess.resolve()  # the name rules' plan failed: the architecture's may not
+        ckpt, plan = plan_conversion(model, backend, **options)
+    except BaseException:
+        guess.close()
+        raise
+    finally:
+        classify._GUESS.remove(guess)
+        guess.active = False
+    if guess.pending is None:
+        return ckpt, plan, None
+    spec = get_backend(backend)
+    fmt = detect_source(ckpt.config, ckpt.quant_files, ckpt.tensors, options.get("source_format"))
+    build = {k: v for k, v in options.items() if k not in ("source_format", "revision", "progress")}
+    return ckpt, plan, PlanGuess(guess, plan, lambda: build_plan(ckpt, spec, fmt, **build))
 
 
 def note_if_complete(staging: Staging, e: BaseException) -> None:

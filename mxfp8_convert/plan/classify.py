@@ -152,16 +152,58 @@ def _pairs(
 _ARCHITECTURES: dict[tuple, object] = {}
 
 
+class Guess:
+    """While active (``guessing()``), ``dense_architecture`` does not wait for an architecture
+    that is not cached: it starts a child process making its decisions (``pending``, for the
+    tensors of ``key``) and answers by the name rules; ``resolve()`` waits for them, and the
+    plans made after it use them."""
+
+    def __init__(self) -> None:
+        self.active, self.key, self.pending, self.rules = True, None, None, None
+
+    def resolve(self) -> None:
+        """Wait for the decisions; from now on ``dense_architecture`` answers with them."""
+        self.active = False
+        if self.pending is not None:
+            made = self.pending.result()
+            _ARCHITECTURES.clear()
+            _ARCHITECTURES[self.key] = made
+            self.pending = None
+
+    def close(self) -> None:
+        """Stop the child process, if it still runs."""
+        self.active = False
+        if self.pending is not None:
+            self.pending.close()
+            self.pending = None
+
+
+#: the ``Guess`` of the plan being made, if any
+_GUESS: list[Guess] = []
+
+
 def dense_architecture(ckpt: SourceCheckpoint):
     """``architecture.decisions(config, weights)`` for the float weights this module asks
     about, made once per config and tensors (building the architecture imports transformers;
-    the decisions are cached across runs)."""
-    from mxfp8_convert.architecture import decisions
+    the decisions are cached across runs). Under an active ``Guess``, the name rules while the
+    architecture is built in a child process."""
+    from mxfp8_convert.architecture import _expert_count, decisions, decisions_later
 
     queries = [(n, tuple(i.shape)) for n, i in sorted(ckpt.tensors.items())
                if i.dtype in FLOAT_DTYPES and (len(i.shape) == 3
                                                or (len(i.shape) == 2 and n.endswith(".weight")))]
     key = (ckpt.config_raw, tuple(queries))
+    guess = _GUESS[-1] if _GUESS and _GUESS[-1].active else None
+    if guess is not None and key not in _ARCHITECTURES:
+        if guess.key != key:
+            guess.close()
+            guess.active, guess.key = True, key
+            guess.pending = decisions_later(ckpt.config, queries)
+            if guess.pending is not None:
+                guess.rules = NameRules("while the architecture is built",
+                                        _expert_count(ckpt.config))
+        if guess.pending is not None:
+            return guess.rules
     if key not in _ARCHITECTURES:
         _ARCHITECTURES.clear()  # one model at a time
         _ARCHITECTURES[key] = decisions(ckpt.config, queries)
