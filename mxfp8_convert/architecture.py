@@ -17,10 +17,10 @@ checkpoint's tensors in the user's cache (``$XDG_CACHE_HOME/mxfp8-convert/archit
 under a key of everything they depend on: this module's source, the installed transformers and
 torch (version and their wheel's file list with hashes), config.json and the tensors' names and
 shapes. A file that does not read back as exactly the entry for that key is ignored and made
-again. Where they are not cached, ``decisions_later()`` makes them in a child process (this file
-run as a script) while the caller goes on without them: a conversion plans on the name rules
-meanwhile and keeps what it wrote only if the architecture's plan writes the same bytes
-(``run.plan_guessing``).
+again. Where they are not cached, ``decisions_later()`` makes them in a child process (a fork
+of the caller, or this file run as a script) while the caller goes on without them: a
+conversion plans on the name rules meanwhile and keeps what it wrote only if the
+architecture's plan writes the same bytes (``run.plan_guessing``).
 """
 
 from __future__ import annotations
@@ -30,6 +30,7 @@ import hashlib
 import json
 import os
 import re
+import signal
 import subprocess
 import sys
 import tempfile
@@ -358,8 +359,8 @@ def decisions(config: dict | None, tensors: list[Query]) -> ModelArchitecture | 
 def decisions_later(config: dict | None, tensors: list[Query]) -> Pending | None:
     """``decisions(config, tensors)`` made by a child process where they would be built here
     (not cached: the architecture is built), so that the caller need not wait for transformers'
-    imports; None where ``decisions()`` answers at once (a cache hit, no config.json, no
-    transformers)."""
+    imports (``Pending.start()`` starts it); None where ``decisions()`` answers at once (a
+    cache hit, no config.json, no transformers)."""
     if not isinstance(config, dict) or not config:
         return None
     key = _cache_key(config, tensors)
@@ -370,36 +371,60 @@ def decisions_later(config: dict | None, tensors: list[Query]) -> Pending | None
         path = cache_root() / "architecture" / f"{key}.json"
         if _read_cache(path, key, tensors) is not None:
             return None
-    return Pending(config, tensors, key, path)
+    try:
+        return Pending(config, tensors, key, path)
+    except OSError:  # no temporary folder: decisions() builds it here
+        return None
 
 
 class Pending:
-    """The decisions for ``tensors`` being made by a child process: this file run as a script
-    (``_child``: it imports torch and transformers and builds the architecture; it never
-    imports this package). ``result()`` waits for them, caches them as ``decisions()`` does
-    (at ``path``; None: not cached), and makes them here where the child did not (it failed,
-    was killed, or wrote anything but its answer): the same decisions, and any error raised
-    here as it is today."""
+    """The decisions for ``tensors`` being made by a child process (``_child``: it builds the
+    architecture with transformers; it never touches the caller's files). ``start()`` starts
+    it; ``result()`` waits for it, caches its decisions as ``decisions()`` does (at ``path``;
+    None: not cached), and makes them here where the child did not answer (it failed, was
+    killed, or wrote anything but its answer): the same decisions, and any error raised here
+    as it is today."""
+
+    #: fork the child (Linux): it has what this process imported, torch included, and imports
+    #: only transformers; elsewhere (macOS forbids forking a process that loaded some system
+    #: frameworks) it is a new interpreter running this file, which imports torch itself
+    FORK = sys.platform == "linux"
 
     def __init__(self, config: dict, tensors: list[Query], key: str, path: Path | None) -> None:
         self.config, self.tensors, self.key, self.path = config, tensors, key, path
         self._folder = tempfile.TemporaryDirectory(prefix="mxfp8-convert-architecture-")
-        folder = Path(self._folder.name)
-        (folder / "in.json").write_text(json.dumps(
-            {"config": config, "tensors": [[n, list(shape)] for n, shape in tensors]}))
-        # -P: the script's folder (this package) is not put on sys.path
-        self._proc = subprocess.Popen(
-            [sys.executable, "-P", str(Path(__file__).resolve()), str(folder)],
-            stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        try:
+            (Path(self._folder.name) / "in.json").write_text(json.dumps(
+                {"config": config, "tensors": [[n, list(shape)] for n, shape in tensors]}))
+        except BaseException:
+            self._folder.cleanup()
+            raise
+        self._proc: _Forked | subprocess.Popen | None = None
         self._made: CachedDecisions | NameRules | ModelArchitecture | None = None
 
+    def start(self) -> None:
+        """Start the child, once (best after torch is imported here, where it is forked)."""
+        if self._proc is not None or self._made is not None:
+            return
+        folder = Path(self._folder.name)
+        if self.FORK:
+            self._proc = _Forked(folder)
+            return
+        try:  # -P: the script's folder (this package) is not put on sys.path
+            self._proc = subprocess.Popen(
+                [sys.executable, "-P", str(Path(__file__).resolve()), str(folder)],
+                stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        except OSError:  # no process to start: result() builds it here
+            self._proc = _Forked(None)
+
     def done(self) -> bool:
-        """Whether ``result()`` returns without waiting for the child."""
-        return self._made is not None or self._proc.poll() is not None
+        """Whether ``result()`` returns without waiting for a child (False before ``start()``)."""
+        return self._made is not None or (self._proc is not None and self._proc.poll() is not None)
 
     def result(self) -> CachedDecisions | NameRules | ModelArchitecture:
         """What ``decisions(config, tensors)`` returns on a cache miss, for the same tensors."""
         if self._made is None:
+            self.start()
             self._proc.wait()
             made = self._answer()
             self.close()
@@ -433,10 +458,53 @@ class Pending:
 
     def close(self) -> None:
         """Stop the child (if it still runs) and remove its files."""
-        if self._proc.poll() is None:
+        if self._proc is not None and self._proc.poll() is None:
             self._proc.kill()
             self._proc.wait()
         self._folder.cleanup()
+
+
+class _Forked:
+    """``_child(folder)`` in a fork of this process, as much of ``subprocess.Popen`` as
+    ``Pending`` uses. The child writes nothing to this process's stdout or stderr and never
+    returns into its code (``os._exit``). ``folder`` None, or no fork: a child that failed."""
+
+    def __init__(self, folder: Path | None) -> None:
+        self.returncode: int | None = 1
+        try:
+            pid = os.fork() if folder is not None else -1
+        except OSError:
+            pid = -1
+        if pid == 0:
+            code = 1
+            try:
+                null = open(os.devnull, "w")  # noqa: SIM115 - for as long as the child lives
+                os.dup2(null.fileno(), 1)
+                os.dup2(null.fileno(), 2)
+                sys.stdout = sys.stderr = null  # not the parent's streams (or their locks)
+                _child(folder)
+                code = 0
+            finally:
+                os._exit(code)
+        self.pid = pid
+        if pid > 0:
+            self.returncode = None
+
+    def poll(self) -> int | None:
+        if self.returncode is None:
+            pid, status = os.waitpid(self.pid, os.WNOHANG)
+            if pid:
+                self.returncode = os.waitstatus_to_exitcode(status)
+        return self.returncode
+
+    def wait(self) -> int:
+        if self.returncode is None:
+            self.returncode = os.waitstatus_to_exitcode(os.waitpid(self.pid, 0)[1])
+        return self.returncode
+
+    def kill(self) -> None:
+        if self.returncode is None:
+            os.kill(self.pid, signal.SIGKILL)
 
 
 def _child(folder: Path) -> None:

@@ -201,6 +201,8 @@ def _convert(model: str | Path, ckpt: SourceCheckpoint, plan: ConversionPlan,
         n_workers = _workers(plan, workers, max_memory)
         if _computes(plan):
             import torch  # noqa: F401 - now, so that _compute_threads can set its threads
+        if guess is not None:
+            guess.start()  # after torch: a fork of this process imports only transformers
         with _compute_threads(n_workers) as in_flight, watch_source():
             in_flight = _in_flight(plan, n_workers, in_flight, max_memory)
             files = shard_writing.write_shards(shards, workers=n_workers, in_flight=in_flight)

@@ -157,6 +157,11 @@ class PlanGuess:
     def confirmed(self) -> bool:
         return self._final is not None
 
+    def start(self) -> None:
+        """Start the child process (forked: best once this process has imported torch)."""
+        if self.guess.pending is not None:
+            self.guess.pending.start()
+
     def check(self) -> None:
         """Without waiting: once the child has answered, compare the plans.
 

@@ -58,6 +58,18 @@ def test_the_child_decides_as_transformers_built_here(tmp_path, monkeypatch, fam
     assert arch_mod.decisions_later(cfg, queries) is None
 
 
+@pytest.mark.parametrize("family", ["llama", "qwen2_vl"])
+def test_a_new_interpreter_decides_as_the_fork_does(monkeypatch, family):
+    """Where the child is not forked (``Pending.FORK`` off the Linux), this file runs as a
+    script in a new interpreter: the same decisions."""
+    cfg, make = FAMILIES[family]()
+    queries = _queries(make(cfg))
+    monkeypatch.setattr(arch_mod.Pending, "FORK", False)
+    made = arch_mod.decisions_later(cfg, queries).result()
+    plain = arch_mod.architecture(cfg)
+    assert [made.decide(*q) for q in queries] == [plain.decide(*q) for q in queries]
+
+
 @pytest.mark.parametrize("config", [
     {"model_type": "no_such_model", "hidden_size": 8},  # unknown to transformers
     {"model_type": "llama", "hidden_size": 30, "num_attention_heads": 4,  # rejected
@@ -73,10 +85,15 @@ def test_the_name_rules_of_the_child_are_those_made_here(config):
     assert not any((arch_mod.cache_root() / "architecture").glob("*.json"))  # not cached
 
 
-def test_a_child_that_fails_is_made_up_for_here(tmp_path, monkeypatch):
+@pytest.mark.parametrize("fork", [True, False])
+def test_a_child_that_fails_is_made_up_for_here(tmp_path, monkeypatch, fork):
     cfg = fam.llama_config()
     queries = _queries(fam.llama_dense(cfg))
-    monkeypatch.setattr(sys, "executable", "/bin/false")  # the child exits 1 at once
+    monkeypatch.setattr(arch_mod.Pending, "FORK", fork)
+    if fork:  # the forked child fails as it starts
+        monkeypatch.setattr(arch_mod, "_child", lambda folder: 1 / 0)
+    else:  # the new interpreter exits 1 at once
+        monkeypatch.setattr(sys, "executable", "/bin/false")
     made = arch_mod.decisions_later(cfg, queries).result()
     plain = arch_mod.architecture(cfg)
     assert [made.decide(*q) for q in queries] == [plain.decide(*q) for q in queries]
