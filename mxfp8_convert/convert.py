@@ -167,8 +167,9 @@ def _convert(model: str | Path, ckpt: SourceCheckpoint, plan: ConversionPlan,
              moe, quantize_towers, allow_no_quantized, max_shard_size) -> ConversionResult:
     """``convert()`` on ``plan``. A ``guess``'s plan (made on the name rules) is checked
     against the architecture's as soon as that is made, and replaced by it before the output
-    is finished; where they would write different bytes (``Mispredicted``), or the run stops
-    before that is known, the work folder is removed (never resumed from)."""
+    is finished. Where they would write different bytes (``Mispredicted``), the work folder is
+    removed (a stopped run waits for the architecture's plan to know: only work on the right
+    plan is kept for a resume)."""
     dest = Path(output) if output is not None else default_output(str(model), backend)
     # an existing output: a real run checks under the lock; a dry run writes nothing (it is noted)
     check_destination(dest, ckpt.root, overwrite=overwrite, part=None if part is None else part[0],
@@ -218,8 +219,8 @@ def _convert(model: str | Path, ckpt: SourceCheckpoint, plan: ConversionPlan,
                                 done=shard_writing.done)
         staging.commit()
     except BaseException as e:
-        if guess is not None and not guess.confirmed:
-            staging.abort()  # written on a plan that may not be the architecture's
+        if guess is not None and not _confirmed(guess):
+            staging.abort()  # written on a plan that is not the architecture's
         elif isinstance(e, DiskFullError):
             _suspend_full(staging, e)
         elif isinstance(e, ConvertError):
@@ -230,6 +231,17 @@ def _convert(model: str | Path, ckpt: SourceCheckpoint, plan: ConversionPlan,
         raise
     return ConversionResult(str(ckpt.root), str(dest), plan, False, time.perf_counter() - t0,
                             written, dict(sorted(errors.items())))
+
+
+def _confirmed(guess: PlanGuess) -> bool:
+    """Whether the architecture's plan writes what the guess wrote, waiting for it if need be
+    (a stopped conversion keeps its work for a resume only then); an interrupt while waiting:
+    not known, so no."""
+    try:
+        guess.final()
+    except BaseException:  # noqa: BLE001 - Mispredicted, or interrupted again: discard the work
+        return False
+    return True
 
 
 def _suspend_full(staging: Staging, e: DiskFullError) -> None:
