@@ -34,6 +34,7 @@ import signal
 import subprocess
 import sys
 import tempfile
+import threading
 from collections.abc import Callable
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -387,7 +388,9 @@ class Pending:
 
     #: fork the child (Linux): it has what this process imported, torch included, and imports
     #: only transformers; elsewhere (macOS forbids forking a process that loaded some system
-    #: frameworks) it is a new interpreter running this file, which imports torch itself
+    #: frameworks) it is a new interpreter running this file, which imports torch itself; so
+    #: it is too where this process runs other threads (a library caller's): a fork copies the
+    #: locks they hold, and a child that waits on one of them never answers
     FORK = sys.platform == "linux"
 
     def __init__(self, config: dict, tensors: list[Query], key: str, path: Path | None) -> None:
@@ -407,7 +410,7 @@ class Pending:
         if self._proc is not None or self._made is not None:
             return
         folder = Path(self._folder.name)
-        if self.FORK:
+        if self.FORK and threading.active_count() == 1:
             self._proc = _Forked(folder)
             return
         try:  # -P: the script's folder (this package) is not put on sys.path

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import threading
 
 import pytest
 
@@ -182,3 +183,27 @@ def test_a_first_conversion_never_imports_transformers_here(tmp_path):
     assert out == ["['architecture']", "False"]
     entries = list((arch_mod.cache_root() / "architecture").glob("*.json"))
     assert len(entries) == 1 and json.loads(entries[0].read_text())["format"] == 1
+
+
+def test_a_process_with_other_threads_starts_a_new_interpreter(monkeypatch):
+    """A fork copies the locks other threads hold; with a thread running, the child is a new
+    interpreter (no fork at all), and its decisions are the same."""
+    cfg = fam.llama_config()
+    queries = _queries(fam.llama_dense(cfg))
+    monkeypatch.setenv(arch_mod.NO_CACHE_ENV, "1")
+    forks = []
+    monkeypatch.setattr(arch_mod.os, "fork", lambda: forks.append(1) or -1)
+    stop = threading.Event()
+    other = threading.Thread(target=stop.wait)
+    other.start()
+    try:
+        pending = arch_mod.decisions_later(cfg, queries)
+        pending.start()
+        assert isinstance(pending._proc, subprocess.Popen)
+        made = pending.result()
+    finally:
+        stop.set()
+        other.join()
+    plain = arch_mod.architecture(cfg)
+    assert forks == []
+    assert [made.decide(*q) for q in queries] == [plain.decide(*q) for q in queries]
