@@ -17,6 +17,7 @@ would have produced from the same high-precision weights.
 from __future__ import annotations
 
 import math
+import os
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
@@ -42,6 +43,24 @@ _F32_EXACT_MAX_CODE = 246
 _F32_MANTISSA_BITS = 23
 _F32_MANTISSA_MASK = (1 << _F32_MANTISSA_BITS) - 1
 _F32_HALF_MANTISSA = 1 << 22  # mantissa of 2^-127 (fp32 subnormal)
+
+
+def _load_cquant():
+    """The optional C accelerator (``_cquant.c``, built by ``pip install`` where a compiler is
+    found), or None: not built, built from other source (its ``VERSION``), or turned off with
+    ``MXFP8_CONVERT_NO_C=1`` (read once, at import). Either way the bytes are the same."""
+    if os.environ.get("MXFP8_CONVERT_NO_C", "") not in ("", "0"):
+        return None
+    try:
+        from mxfp8_convert import _cquant
+    except ImportError:
+        return None
+    return _cquant if getattr(_cquant, "VERSION", None) == 1 else None
+
+
+_CQUANT = _load_cquant()
+#: ``_cquant.quantize``'s source kinds
+_C_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
 
 
 @dataclass(frozen=True, slots=True)
@@ -358,14 +377,32 @@ def _quantize_rows(
     added chunk after chunk, exactly as :func:`quantization_error` computes them: the
     differences come exact from float32 (:func:`_residual_f32`), or, for a chunk with a code
     above ``_F32_EXACT_MAX_CODE``, from the float64 dequantization itself. ``source``, where
-    given, holds those float32 values exactly in a narrower dtype (bf16, fp16: the widening is
-    exact either way), and the float64 reference is widened from it, reading fewer bytes.
+    given, holds those values exactly (bf16, fp16 or the float32 themselves: the widening is
+    exact), and the float64 reference is widened from it, reading fewer bytes.
+
+    With the C accelerator (CPU only), one pass of :func:`_c_chunk` per chunk writes the same
+    bytes and the same float64 vectors, which go to the same ``torch.dot`` calls; a chunk it
+    gives back (a NaN or Inf, whose message the torch path raises, or a code above the float32
+    limit) runs the torch path instead.
     """
     n, k = shape
     q = _empty_output((n, k), torch.float8_e4m3fn, device)
     s = _empty_output((n, k // MX_BLOCK), torch.uint8, device)
     sums = torch.zeros(2, dtype=torch.float64, device=device) if measure else None
+    native = _CQUANT is not None and device.type == "cpu"
     for r0, r1 in _row_chunks(n, k, chunk_rows) if n * k else ():
+        if native:
+            d = r = None
+            if measure:
+                d = _SCRATCH.get("diff64", (r1 - r0) * k, torch.float64, device)
+                r = _SCRATCH.get("ref64", (r1 - r0) * k, torch.float64, device)
+            x = rows(r0, r1) if source is None else source[r0:r1]
+            top = _c_chunk(x, q[r0:r1], s[r0:r1], d, r)
+            if top >= 0 and not measure:
+                continue
+            if 0 <= top <= _F32_EXACT_MAX_CODE:
+                sums += torch.stack([torch.dot(d, d), torch.dot(r, r)])
+                continue
         xf = rows(r0, r1)
         codes = _quantize_chunk(xf, q[r0:r1], s[r0:r1], name, r0)
         if not measure:
@@ -379,6 +416,24 @@ def _quantize_rows(
         r.view(r1 - r0, k).copy_(xf if source is None else source[r0:r1])
         sums += torch.stack([torch.dot(d, d), torch.dot(r, r)])
     return q, s, sums
+
+
+def _c_chunk(
+    x: torch.Tensor,
+    q: torch.Tensor,
+    s: torch.Tensor,
+    diff: torch.Tensor | None,
+    ref: torch.Tensor | None,
+) -> int:
+    """``_cquant.quantize`` on CPU rows ``x [n, K]`` (bf16, fp16 or float32) into ``q`` and
+    ``s`` (and the float64 ``diff`` and ``ref`` vectors where given); the largest code, or -1
+    where ``x`` is not contiguous or holds a NaN or Inf (the outputs then incomplete)."""
+    if not x.is_contiguous():
+        return -1
+    kind = _C_KINDS[x.dtype]
+    src = x.detach().view(torch.int32 if kind == 2 else torch.int16).numpy()
+    measured = () if diff is None else (diff.numpy(), ref.numpy())
+    return _CQUANT.quantize(src, kind, q.view(torch.uint8).numpy(), s.numpy(), *measured)
 
 
 def _widened(x: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
@@ -425,7 +480,8 @@ def quantize_mxfp8(
         (127, 448.0)
     """
     _check_high_precision(x, name, "quantize_mxfp8")
-    q, s, _ = _quantize_rows(_widened(x), x.shape, x.device, name, chunk_rows, measure=False)
+    q, s, _ = _quantize_rows(_widened(x), x.shape, x.device, name, chunk_rows, measure=False,
+                             source=x)
     return q, s
 
 
@@ -452,7 +508,7 @@ def quantize_mxfp8_with_error(
     """
     _check_high_precision(x, name, "quantize_mxfp8_with_error")
     q, s, sums = _quantize_rows(_widened(x), x.shape, x.device, name, chunk_rows, measure=True,
-                                source=None if x.dtype == torch.float32 else x)
+                                source=x)
     return q, s, _to_quant_error(sums)
 
 

@@ -237,11 +237,15 @@ def test_big_tensors_are_processed_in_bounded_chunks(monkeypatch):
 
     quantized, summed = [], []
     real_quantize, real_error = qmod._quantize_chunk, qmod._error_sums
+    real_c = qmod._c_chunk  # the C accelerator's chunks, where it is built (test_cquant.py)
     monkeypatch.setattr(qmod, "_CHUNK_ELEMENTS", 4096)
     monkeypatch.setattr(
         qmod,
         "_quantize_chunk",
         lambda xf, *a: (quantized.append(xf.numel()), real_quantize(xf, *a))[1],
+    )
+    monkeypatch.setattr(
+        qmod, "_c_chunk", lambda x, *a: (quantized.append(x.numel()), real_c(x, *a))[1]
     )
     monkeypatch.setattr(
         qmod, "_error_sums", lambda ref, *a: (summed.append(ref.numel()), real_error(ref, *a))[1]
@@ -955,14 +959,17 @@ def test_module_stays_pure():
     assert imports <= {
         "__future__",
         "math",
+        "os",  # only os.environ: the MXFP8_CONVERT_NO_C switch (asserted below)
         "threading",  # per-thread scratch buffers (threading.local), no threads started
         "collections.abc",
         "dataclasses",
         "numpy",  # tensor math too: the e4m3 table lookup
         "torch",
         "mxfp8_convert.errors",
+        "mxfp8_convert",  # from mxfp8_convert import _cquant: the C accelerator, optional
     }
     assert "open(" not in src and "torch.cuda" not in src
+    assert set(re.findall(r"\bos\.(\w+)", src)) == {"environ"}
 
 
 @pytest.mark.gpu
