@@ -390,6 +390,12 @@ def _quantize_rows(
     s = _empty_output((n, k // MX_BLOCK), torch.uint8, device)
     sums = torch.zeros(2, dtype=torch.float64, device=device) if measure else None
     native = _CQUANT is not None and device.type == "cpu"
+    if native and measure:
+        # MKL's dot sums in an order that depends on its thread count, which a thread takes
+        # from torch's setting on its first parallel torch op (lazily). The torch path runs
+        # such ops before its first dot; the C path does not, so it asks torch now, which sets
+        # this thread's count the same way (else a fresh thread's dots use every core).
+        torch.get_num_threads()
     for r0, r1 in _row_chunks(n, k, chunk_rows) if n * k else ():
         if native:
             d = r = None

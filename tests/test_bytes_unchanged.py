@@ -40,8 +40,8 @@ def reference(tmp_path_factory) -> Path:
     return package_at(REFERENCE_COMMIT, tmp_path_factory.mktemp("reference"))
 
 
-def _run(pythonpath: Path, src: Path, out: Path, *args: str) -> None:
-    env = {**os.environ, "PYTHONPATH": str(pythonpath)}
+def _run(pythonpath: Path, src: Path, out: Path, *args: str, **env_vars: str) -> None:
+    env = {**os.environ, "PYTHONPATH": str(pythonpath), **env_vars}
     # -P: the working directory (this checkout) must not come first on the path
     cmd = [sys.executable, "-P", "-m", "mxfp8_convert", str(src), *args, "-o", str(out), "--json"]
     r = subprocess.run(cmd, env=env, capture_output=True, text=True, cwd=out.parent)
@@ -105,6 +105,7 @@ CASES = [(d, b, SPEC, ()) for d in ALL_DIALECTS for b in BACKENDS] + [
     ("block_fp8", "trtllm", MOE, ()),
     ("block_fp8", "trtllm", replace(SPEC, pow2_scales=False), ()),
     ("dense", "trtllm", MOE, ()),
+    ("fp8", "cutlass", replace(SPEC, pow2_scales=False), ()),
 ]
 
 
@@ -115,6 +116,22 @@ def test_outputs_equal_the_reference_converter(tmp_path, reference, dialect, bac
     src = write_checkpoint(tmp_path / "src", replace(spec, dialect=dialect))
     _run(reference, src, tmp_path / "ref", "--backend", backend, *extra)
     _run(REPO, src, tmp_path / "new", "--backend", backend, *extra)
+    _same(tmp_path / "ref", tmp_path / "new")
+
+
+#: the conversions that quantize (dense, FP8 with scales that are not powers of two): the
+#: quantizer's C accelerator, where built, ran in the cases above; these run its torch path
+QUANTIZING = [(d, b, s, e) for d, b, s, e in CASES if d == "dense" or not s.pow2_scales]
+
+
+@pytest.mark.parametrize(("dialect", "backend", "spec", "extra"), QUANTIZING,
+                         ids=[f"{d}-{b}{'-moe' if s.experts else ''}"
+                              for d, b, s, e in QUANTIZING])
+def test_torch_quantizer_outputs_equal_the_reference_converter(tmp_path, reference, dialect,
+                                                              backend, spec, extra):
+    src = write_checkpoint(tmp_path / "src", replace(spec, dialect=dialect))
+    _run(reference, src, tmp_path / "ref", "--backend", backend, *extra)
+    _run(REPO, src, tmp_path / "new", "--backend", backend, *extra, MXFP8_CONVERT_NO_C="1")
     _same(tmp_path / "ref", tmp_path / "new")
 
 

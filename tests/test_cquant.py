@@ -14,6 +14,7 @@ import os
 import shutil
 import subprocess
 import sys
+import threading
 
 import numpy as np
 import pytest
@@ -179,6 +180,27 @@ def test_non_finite_values_raise_the_same_message(bad, dtype):
             messages.append(str(e.value))
     assert len(set(messages)) == 1
     assert messages[0].startswith(f"w: non-finite value {bad} at row 7, column 40")
+
+
+@needs_c
+def test_same_sums_on_a_fresh_thread_with_one_torch_thread():
+    # what a conversion does: torch.set_num_threads(1), modules quantized on helper threads.
+    # MKL's dot products sum in an order set by the thread count a thread has taken from torch
+    # (the C path must let torch set it, as the torch path's own ops do, before its dots)
+    x = gaussian_blocks(512, 2048, seed=12, lo=-10, hi=10)
+    before = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        errors = []
+        for fn in (Q.quantize_mxfp8_with_error,
+                   lambda x: torch_path(Q.quantize_mxfp8_with_error, x)):
+            t = threading.Thread(target=lambda fn=fn: errors.append(fn(x)[2]))
+            t.start()
+            t.join()
+        errors.append(torch_path(Q.quantize_mxfp8_with_error, x)[2])  # this thread, 1 thread
+    finally:
+        torch.set_num_threads(before)
+    assert errors[0] == errors[1] == errors[2]
 
 
 @needs_c
