@@ -7,7 +7,7 @@ DEMO_SRC := examples/tiny-mxfp8
 
 # CPU-only setup: torch's CPU build (pip takes the one on this disk), then the package with test extras.
 install: $(BIN)/mxfp8-convert
-$(BIN)/mxfp8-convert: pyproject.toml
+$(BIN)/mxfp8-convert: pyproject.toml setup.py mxfp8_convert/_cquant.c
 	$(PY) -m venv $(VENV)
 	$(BIN)/pip install -q --upgrade pip
 	$(BIN)/pip install -q "torch==2.13.0"

@@ -1,16 +1,19 @@
 """Benchmark mxfp8_convert.quantize: quantize, dequantize and the FP8-source conversions.
 
-Run: ``python benchmarks/bench_quantize.py [--device cuda] [--rows 7168] [--cols 2048]``.
-Prints the environment, a memcpy baseline, and the median time and GB/s (bytes read + written)
-of each operation; and two weights quantized with their error one after the other, beside the
-same two on two threads at once (what a conversion does where its ops run on one thread:
-``convert.MODULES_IN_FLIGHT``). Never collected by pytest.
+Run: ``python benchmarks/bench_quantize.py [--device cuda] [--rows 7168] [--cols 2048]
+[--out results/quantize.json]``. Prints the environment, a memcpy baseline, and the median time
+and GB/s (bytes read + written) of each operation; and two weights quantized with their error
+one after the other, beside the same two on two threads at once (what a conversion does where
+its ops run on one thread: ``convert.MODULES_IN_FLIGHT``). On CPU with the quantizer's C
+accelerator built, each operation runs on it and on the torch path, rounds interleaved, with
+the wall and CPU nanoseconds per element of both. Never collected by pytest.
 """
 
 from __future__ import annotations
 
 import argparse
 import importlib.metadata
+import json
 import platform
 import statistics
 import time
@@ -18,6 +21,7 @@ from concurrent.futures import ThreadPoolExecutor
 
 import torch
 
+from mxfp8_convert import quantize
 from mxfp8_convert.quantize import (
     block_fp8_to_mxfp8,
     dequantize_mxfp8,
@@ -33,16 +37,25 @@ def _sync(device: str) -> None:
         torch.cuda.synchronize()
 
 
-def median_seconds(fn, device: str, repeats: int) -> float:
-    fn()  # warm-up
-    _sync(device)
-    times = []
-    for _ in range(repeats):
-        t0 = time.perf_counter()
-        fn()
-        _sync(device)
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times)
+def timed(paths: dict, device: str, repeats: int) -> dict[str, tuple[float, float]]:
+    """Median (wall, CPU) seconds of each of ``paths`` (label -> (quantizer, fn)) or
+    (label -> fn), their rounds interleaved."""
+    times: dict[str, list[tuple[float, float]]] = {label: [] for label in paths}
+    for rnd in range(repeats + 1):  # round 0 warms up
+        for label, fn in paths.items():
+            backend, fn = fn if isinstance(fn, tuple) else (quantize._CQUANT, fn)
+            saved, quantize._CQUANT = quantize._CQUANT, backend
+            try:
+                _sync(device)
+                w0, c0 = time.perf_counter(), time.process_time()
+                fn()
+                _sync(device)
+                if rnd:
+                    times[label].append((time.perf_counter() - w0, time.process_time() - c0))
+            finally:
+                quantize._CQUANT = saved
+    return {label: (statistics.median(t[0] for t in ts), statistics.median(t[1] for t in ts))
+            for label, ts in times.items()}
 
 
 def environment(device: str) -> str:
@@ -61,6 +74,7 @@ def main() -> None:
     ap.add_argument("--rows", type=int, default=7168)
     ap.add_argument("--cols", type=int, default=2048)
     ap.add_argument("--repeats", type=int, default=5)
+    ap.add_argument("--out", help="also write the figures as JSON here")
     args = ap.parse_args()
     n, k, dev = args.rows, args.cols, args.device
     print(environment(dev))
@@ -93,10 +107,28 @@ def main() -> None:
         ("2x with_error, 2 threads", lambda: list(pool.map(quantize_mxfp8_with_error, (x, x))),
          2 * (2 * n * k + mx_bytes)),
     ]
+    native = quantize._CQUANT if dev == "cpu" else None
+    rows = []
     for label, fn, nbytes in cases:
-        sec = median_seconds(fn, dev, args.repeats)
-        print(f"{label:30s} {sec * 1e3:9.2f} ms  {nbytes / sec / 1e9:8.2f} GB/s")
-
+        paths = {"c": (native, fn), "torch": (None, fn)} if native else {"torch": (None, fn)}
+        got = timed(paths, dev, args.repeats)
+        if label == "memcpy bf16 (baseline)":
+            got = {"c": got["torch"], "torch": got["torch"]} if native else got
+        line = f"{label:30s}"
+        row = {"case": label, "bytes": nbytes}
+        for path, (wall, cpu) in got.items():
+            line += f"  {path} {wall * 1e3:8.2f} ms {wall / (n * k) * 1e9:6.2f} ns/el"
+            row[path] = {"wall_s": wall, "cpu_s": cpu, "ns_per_element": wall / (n * k) * 1e9,
+                         "gb_per_s": nbytes / wall / 1e9}
+        if native and label != "memcpy bf16 (baseline)":
+            line += f"  torch/c {got['torch'][0] / got['c'][0]:5.2f}x"
+        print(line)
+        rows.append(row)
+    if args.out:
+        with open(args.out, "w") as f:
+            json.dump({"date": time.strftime("%Y-%m-%d %H:%M UTC", time.gmtime()),
+                       "environment": environment(dev), "shape": [n, k],
+                       "c_accelerator": native is not None, "rows": rows}, f, indent=1)
 
 if __name__ == "__main__":
     main()
