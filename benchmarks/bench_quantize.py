@@ -115,10 +115,12 @@ def main() -> None:
         if label == "memcpy bf16 (baseline)":
             got = {"c": got["torch"], "torch": got["torch"]} if native else got
         line = f"{label:30s}"
-        row = {"case": label, "bytes": nbytes}
+        elements = n * k * (2 if label.startswith("2x") else 1)
+        row = {"case": label, "bytes": nbytes, "elements": elements}
         for path, (wall, cpu) in got.items():
-            line += f"  {path} {wall * 1e3:8.2f} ms {wall / (n * k) * 1e9:6.2f} ns/el"
-            row[path] = {"wall_s": wall, "cpu_s": cpu, "ns_per_element": wall / (n * k) * 1e9,
+            line += f"  {path} {wall * 1e3:8.2f} ms {wall / elements * 1e9:6.2f} ns/el"
+            row[path] = {"wall_s": wall, "cpu_s": cpu, "ns_per_element": wall / elements * 1e9,
+                         "cpu_ns_per_element": cpu / elements * 1e9,
                          "gb_per_s": nbytes / wall / 1e9}
         if native and label != "memcpy bf16 (baseline)":
             line += f"  torch/c {got['torch'][0] / got['c'][0]:5.2f}x"

@@ -28,9 +28,9 @@
 #define NON_FINITE 0x7f800000u      /* |x| bits at or above: Inf or NaN */
 
 /* The interface's version, checked by quantize.py: a stale build of older source is ignored. */
-#define CQUANT_VERSION 1
+#define CQUANT_VERSION 2
 
-enum { SRC_BF16 = 0, SRC_F16 = 1, SRC_F32 = 2 };
+enum { SRC_BF16 = 0, SRC_F16 = 1, SRC_F32 = 2, SRC_E4M3 = 3 };
 
 #if defined(__x86_64__) && defined(__GLIBC__) && defined(__has_attribute)
 #if __has_attribute(target_clones)
@@ -64,6 +64,16 @@ static inline uint32_t f16_bits(uint16_t h) {
     return sign | (tiny & is_tiny) | (special & is_special) | (normal & ~(is_tiny | is_special));
 }
 
+/* Exact float32 bits of a float8_e4m3fn byte other than its NaNs (0x7f, 0xff). */
+static inline uint32_t e4m3_bits(uint8_t b) {
+    uint32_t sign = (uint32_t)(b & 0x80u) << 24;
+    uint32_t e = (b >> 3) & 0xfu, m = b & 7u;
+    uint32_t tiny = bits((float)m * 0x1p-9f);        /* e == 0: m * 2^-9, exact */
+    uint32_t normal = ((e + 120u) << 23) | (m << 20); /* rebias 7 -> 127 */
+    uint32_t is_tiny = 0u - (uint32_t)(e == 0);
+    return sign | (tiny & is_tiny) | (normal & ~is_tiny);
+}
+
 /* `_ue8m0_ceil_codes` for one non-negative finite float32. */
 static inline uint32_t ue8m0_ceil(float scaled) {
     uint32_t b = bits(scaled);
@@ -77,8 +87,9 @@ static inline uint32_t ue8m0_ceil(float scaled) {
 /* Quantize `blocks` 1x32 blocks whose float32 bits the caller's widening gives. Returns the
  * largest code, or -1 at the first block holding a NaN or Inf (outputs then incomplete). */
 CLONES static long quantize_blocks(const void *restrict src, int kind, Py_ssize_t blocks,
-                                   uint8_t *restrict q, uint8_t *restrict s,
-                                   double *restrict diff, double *restrict ref) {
+                                   const float *restrict mult, uint8_t *restrict q,
+                                   uint8_t *restrict s, double *restrict diff,
+                                   double *restrict ref) {
     const float inv_e4m3_max = 1.0f / E4M3_MAX; /* fl32(1/448), correctly rounded */
     uint32_t top = 0;
     for (Py_ssize_t blk = 0; blk < blocks; blk++) {
@@ -92,6 +103,11 @@ CLONES static long quantize_blocks(const void *restrict src, int kind, Py_ssize_
             const uint16_t *p = (const uint16_t *)src + base;
             for (int i = 0; i < MX_BLOCK; i++)
                 u[i] = f16_bits(p[i]);
+        } else if (kind == SRC_E4M3) { /* an FP8 source's own math: fl32(w) * its scale */
+            const uint8_t *p = (const uint8_t *)src + base;
+            float m = mult[blk];
+            for (int i = 0; i < MX_BLOCK; i++)
+                u[i] = bits(f32(e4m3_bits(p[i])) * m);
         } else {
             memcpy(u, (const uint32_t *)src + base, sizeof u);
         }
@@ -151,16 +167,20 @@ static int get_buffer(PyObject *obj, Py_buffer *view, int writable, const char *
 }
 
 static PyObject *quantize(PyObject *self, PyObject *args) {
-    PyObject *src_o, *q_o, *s_o, *diff_o = Py_None, *ref_o = Py_None;
+    PyObject *src_o, *q_o, *s_o, *diff_o = Py_None, *ref_o = Py_None, *mult_o = Py_None;
     int kind;
-    if (!PyArg_ParseTuple(args, "OiOO|OO:quantize", &src_o, &kind, &q_o, &s_o, &diff_o, &ref_o))
+    if (!PyArg_ParseTuple(args, "OiOO|OOO:quantize", &src_o, &kind, &q_o, &s_o, &diff_o, &ref_o,
+                          &mult_o))
         return NULL;
-    if (kind < SRC_BF16 || kind > SRC_F32)
+    if (kind < SRC_BF16 || kind > SRC_E4M3)
         return PyErr_Format(PyExc_ValueError, "_cquant.quantize: unknown source kind %d", kind);
+    if ((kind == SRC_E4M3) != (mult_o != Py_None))
+        return PyErr_Format(PyExc_ValueError,
+                            "_cquant.quantize: multipliers go with e4m3 sources (kind 3) only");
     int measure = diff_o != Py_None;
     if (measure != (ref_o != Py_None))
         return PyErr_Format(PyExc_ValueError, "_cquant.quantize: diff and ref go together");
-    Py_buffer src, q, s, diff = {0}, ref = {0};
+    Py_buffer src, q, s, diff = {0}, ref = {0}, mult = {0};
     long top = -2;
     if (get_buffer(src_o, &src, 0, "src") < 0)
         return NULL;
@@ -172,18 +192,25 @@ static PyObject *quantize(PyObject *self, PyObject *args) {
         goto release_s;
     if (measure && get_buffer(ref_o, &ref, 1, "ref") < 0)
         goto release_diff;
-    Py_ssize_t n = q.len, width = kind == SRC_F32 ? 4 : 2;
+    if (kind == SRC_E4M3 && get_buffer(mult_o, &mult, 0, "mult") < 0)
+        goto release_ref;
+    Py_ssize_t n = q.len, width = kind == SRC_F32 ? 4 : kind == SRC_E4M3 ? 1 : 2;
     if (n % MX_BLOCK || src.len != n * width || s.len != n / MX_BLOCK ||
-        (measure && (diff.len != n * 8 || ref.len != n * 8))) {
+        (measure && (diff.len != n * 8 || ref.len != n * 8)) ||
+        (kind == SRC_E4M3 && mult.len != n / MX_BLOCK * 4)) {
         PyErr_Format(PyExc_ValueError,
                      "_cquant.quantize: sizes do not fit (src %zd, q %zd, s %zd, diff %zd, "
-                     "ref %zd bytes)", src.len, q.len, s.len, diff.len, ref.len);
-        goto release_ref;
+                     "ref %zd, mult %zd bytes)", src.len, q.len, s.len, diff.len, ref.len,
+                     mult.len);
+        goto release_mult;
     }
     Py_BEGIN_ALLOW_THREADS
-    top = quantize_blocks(src.buf, kind, n / MX_BLOCK, q.buf, s.buf, measure ? diff.buf : NULL,
-                          measure ? ref.buf : NULL);
+    top = quantize_blocks(src.buf, kind, n / MX_BLOCK, kind == SRC_E4M3 ? mult.buf : NULL, q.buf,
+                          s.buf, measure ? diff.buf : NULL, measure ? ref.buf : NULL);
     Py_END_ALLOW_THREADS
+release_mult:
+    if (kind == SRC_E4M3)
+        PyBuffer_Release(&mult);
 release_ref:
     if (measure)
         PyBuffer_Release(&ref);
@@ -201,9 +228,11 @@ release_src:
 
 static PyMethodDef methods[] = {
     {"quantize", quantize, METH_VARARGS,
-     "quantize(src, kind, q, s[, diff, ref]) -> largest code, or -1 at a NaN/Inf.\n\n"
-     "src: the values (kind 0 bf16, 1 fp16, 2 fp32), q: e4m3 bytes out, s: one UE8M0 code per "
-     "32 values out;\ndiff, ref: float64 out, the residual and the values (error measured)."},
+     "quantize(src, kind, q, s[, diff, ref[, mult]]) -> largest code, or -1 at a NaN/Inf.\n\n"
+     "src: the values (kind 0 bf16, 1 fp16, 2 fp32; 3 e4m3 bytes, each block's values\n"
+     "fl32(byte) * mult[block], mult float32), q: e4m3 bytes out, s: one UE8M0 code per 32\n"
+     "values out; diff, ref: float64 out, the residual and the values (error measured, or\n"
+     "None)."},
     {NULL, NULL, 0, NULL},
 };
 

@@ -55,12 +55,12 @@ def _load_cquant():
         from mxfp8_convert import _cquant
     except ImportError:
         return None
-    return _cquant if getattr(_cquant, "VERSION", None) == 1 else None
+    return _cquant if getattr(_cquant, "VERSION", None) == 2 else None
 
 
 _CQUANT = _load_cquant()
 #: ``_cquant.quantize``'s source kinds
-_C_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2}
+_C_KINDS = {torch.bfloat16: 0, torch.float16: 1, torch.float32: 2, torch.float8_e4m3fn: 3}
 
 
 @dataclass(frozen=True, slots=True)
@@ -369,6 +369,7 @@ def _quantize_rows(
     chunk_rows: int | None,
     measure: bool,
     source: torch.Tensor | None = None,
+    e4m3: tuple[torch.Tensor, Callable[[int, int], torch.Tensor]] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Quantize the ``[N, K]`` float32 values ``rows(r0, r1)`` gives (rows ``r0:r1``) chunk by
     chunk; with ``measure``, also ``[sum (deq - x)^2, sum x^2]`` in float64.
@@ -379,6 +380,9 @@ def _quantize_rows(
     above ``_F32_EXACT_MAX_CODE``, from the float64 dequantization itself. ``source``, where
     given, holds those values exactly (bf16, fp16 or the float32 themselves: the widening is
     exact), and the float64 reference is widened from it, reading fewer bytes.
+    ``e4m3``, for the C accelerator only, is an FP8 source ``(w, multipliers)`` whose values
+    ``rows`` computes as ``fl32(w) * m`` with one float32 ``m`` per 1x32 block
+    (``multipliers(r0, r1)``, ``[r1 - r0, K/32]``): the accelerator does that multiply itself.
 
     With the C accelerator (CPU only), one pass of :func:`_c_chunk` per chunk writes the same
     bytes and the same float64 vectors, which go to the same ``torch.dot`` calls; a chunk it
@@ -402,8 +406,11 @@ def _quantize_rows(
             if measure:
                 d = _SCRATCH.get("diff64", (r1 - r0) * k, torch.float64, device)
                 r = _SCRATCH.get("ref64", (r1 - r0) * k, torch.float64, device)
-            x = rows(r0, r1) if source is None else source[r0:r1]
-            top = _c_chunk(x, q[r0:r1], s[r0:r1], d, r)
+            if e4m3 is not None:
+                top = _c_chunk(e4m3[0][r0:r1], q[r0:r1], s[r0:r1], d, r, e4m3[1](r0, r1))
+            else:
+                x = rows(r0, r1) if source is None else source[r0:r1]
+                top = _c_chunk(x, q[r0:r1], s[r0:r1], d, r)
             if top >= 0 and not measure:
                 continue
             if 0 <= top <= _F32_EXACT_MAX_CODE:
@@ -430,16 +437,20 @@ def _c_chunk(
     s: torch.Tensor,
     diff: torch.Tensor | None,
     ref: torch.Tensor | None,
+    mult: torch.Tensor | None = None,
 ) -> int:
-    """``_cquant.quantize`` on CPU rows ``x [n, K]`` (bf16, fp16 or float32) into ``q`` and
-    ``s`` (and the float64 ``diff`` and ``ref`` vectors where given); the largest code, or -1
-    where ``x`` is not contiguous or holds a NaN or Inf (the outputs then incomplete)."""
+    """``_cquant.quantize`` on CPU rows ``x [n, K]`` (bf16, fp16 or float32; or e4m3 with its
+    float32 ``mult [n, K/32]``) into ``q`` and ``s`` (and the float64 ``diff`` and ``ref``
+    vectors where given); the largest code, or -1 where ``x`` is not contiguous or its values
+    hold a NaN or Inf (the outputs then incomplete)."""
     if not x.is_contiguous():
         return -1
     kind = _C_KINDS[x.dtype]
-    src = x.detach().view(torch.int32 if kind == 2 else torch.int16).numpy()
-    measured = () if diff is None else (diff.numpy(), ref.numpy())
-    return _CQUANT.quantize(src, kind, q.view(torch.uint8).numpy(), s.numpy(), *measured)
+    src = x.detach().view({2: torch.int32, 3: torch.uint8}.get(kind, torch.int16)).numpy()
+    extra = [None, None] if diff is None else [diff.numpy(), ref.numpy()]
+    if mult is not None:
+        extra.append(mult.contiguous().numpy())
+    return _CQUANT.quantize(src, kind, q.view(torch.uint8).numpy(), s.numpy(), *extra)
 
 
 def _widened(x: torch.Tensor) -> Callable[[int, int], torch.Tensor]:
@@ -722,7 +733,16 @@ def _scaled_fp8_to_mxfp8(
     def rows(r0: int, r1: int) -> torch.Tensor:  # the source's float32 values
         return _dequant_source(w[r0:r1], scale[torch.arange(r0, r1, device=w.device) // bn], bk)
 
-    q, s, sums = _quantize_rows(rows, (n, k), w.device, name, chunk_rows, measure=True)
+    e4m3 = None
+    if bk % MX_BLOCK == 0:  # each 1x32 block within one source block: one multiplier each
+        cols = torch.arange(k // MX_BLOCK, device=w.device) * MX_BLOCK // bk
+
+        def multipliers(r0: int, r1: int) -> torch.Tensor:
+            return scale[torch.arange(r0, r1, device=w.device) // bn][:, cols]
+
+        e4m3 = (w, multipliers)
+    q, s, sums = _quantize_rows(rows, (n, k), w.device, name, chunk_rows, measure=True,
+                                e4m3=e4m3)
     return MXFP8Result(q, s, lossless=False, error=_to_quant_error(sums))
 
 

@@ -260,6 +260,54 @@ def test_fp8_requantization_same_bytes_and_error():
         assert got.error == want.error
 
 
+def assert_same_fp8(fn, w, scale, **kw) -> Q.MXFP8Result:
+    got, want = fn(w, scale, **kw), torch_path(fn, w, scale, **kw)
+    assert not got.lossless
+    assert torch.equal(bits(got.q), bits(want.q)) and torch.equal(got.s, want.s)
+    assert got.error == want.error
+    return got
+
+
+@needs_c
+@pytest.mark.parametrize("block", [(128, 128), (32, 96), (7, 32), (128, 48)])
+def test_block_fp8_every_byte_and_block_shape(block):
+    # every non-NaN e4m3 byte in every row; K = 384 is a ragged multiple of 96 (and of 48,
+    # whose blocks split 1x32 blocks: that shape keeps the torch dequantization)
+    g = torch.Generator().manual_seed(block[1])
+    b = torch.arange(256, dtype=torch.uint8)
+    b = b[(b != 0x7F) & (b != 0xFF)]
+    w = torch.cat([b, b[:130]]).repeat(203, 1)
+    w = w[:, torch.randperm(384, generator=g)].contiguous().view(torch.float8_e4m3fn)
+    shape = (-(-203 // block[0]), -(-384 // block[1]))
+    scale = torch.exp2(torch.randint(-30, 30, shape, generator=g).float())
+    scale = scale * (torch.rand(shape, generator=g) + 0.5)
+    got = assert_same_fp8(Q.block_fp8_to_mxfp8, w, scale, block=block, chunk_rows=50)
+    bn, bk = block
+    src = w.float() * scale.repeat_interleave(bn, 0)[:203].repeat_interleave(bk, 1)[:, :384]
+    want_q, want_s = ref_quantize(src)  # independent, from the source values
+    np.testing.assert_array_equal(got.s.numpy(), want_s)
+    np.testing.assert_array_equal(bits(got.q).numpy(), want_q)
+
+
+@needs_c
+def test_fp8_requantization_extreme_scales_and_overflow():
+    w = random_e4m3((64, 256), seed=52)
+    for scale in (2.0**-140 * 3, 2.0**100 * 1.3, 3.0e35):  # subnormal products; codes > 246
+        assert_same_fp8(Q.per_tensor_fp8_to_mxfp8, w, torch.tensor(scale), chunk_rows=16)
+    big = torch.full((64,), 1.0)
+    big[40] = 3.0e38  # 448 * 3e38 overflows float32: the torch path's message, both ways
+    w[40] = torch.tensor(0.5).to(torch.float8_e4m3fn)  # 1.5e38: finite
+    w[40, 7] = torch.tensor(448.0).to(torch.float8_e4m3fn)
+    messages = []
+    for run in (Q.per_tensor_fp8_to_mxfp8,
+                lambda *a, **kw: torch_path(Q.per_tensor_fp8_to_mxfp8, *a, **kw)):
+        with pytest.raises(LayoutError) as e:
+            run(w, big, name="w", chunk_rows=16)
+        messages.append(str(e.value))
+    assert messages[0] == messages[1]
+    assert messages[0].startswith("w: non-finite value inf at row 40, column 7")
+
+
 @needs_c
 def test_the_kernel_rejects_mismatched_buffers():
     q = np.empty(64, np.uint8)
@@ -272,8 +320,12 @@ def test_the_kernel_rejects_mismatched_buffers():
     with pytest.raises(ValueError, match="sizes do not fit"):
         Q._CQUANT.quantize(src, 2, q, s)  # fp32 needs 4 bytes a value
     with pytest.raises(ValueError, match="source kind"):
-        Q._CQUANT.quantize(src, 3, q, s)
+        Q._CQUANT.quantize(src, 4, q, s)
     with pytest.raises(ValueError, match="together"):
         Q._CQUANT.quantize(src, 0, q, s, d)
+    with pytest.raises(ValueError, match="multipliers"):
+        Q._CQUANT.quantize(q, 3, q.copy(), s)
+    with pytest.raises(ValueError, match="sizes do not fit"):
+        Q._CQUANT.quantize(q, 3, q.copy(), s, None, None, np.ones(1, np.float32))
     with pytest.raises(TypeError, match="writable"):
         Q._CQUANT.quantize(src, 0, bytes(64), s)
