@@ -12,6 +12,11 @@ block along K meaning ``2^(b-127)``; ``b = 255`` is NaN. The quantizer reproduce
 0.7.2.post1's host reference ``mxfp8_quantize_host`` (``csrc/nv_internal/tensorrt_llm/thop/
 fp8Quantize.cpp``) bit for bit, so a converted checkpoint carries exactly the bytes FlashInfer
 would have produced from the same high-precision weights.
+
+On CPU the quantizing passes run in the optional C accelerator ``_cquant.c`` where it is built
+(``pip install`` compiles it where a C compiler exists; ``MXFP8_CONVERT_NO_C=1`` turns it off):
+one pass per chunk instead of torch's dozen, the same bytes and the same float64 error sums
+(tests/test_cquant.py). The torch code below is the fallback and the definition.
 """
 
 from __future__ import annotations
