@@ -57,7 +57,7 @@ def _load_cquant():
     if os.environ.get("MXFP8_CONVERT_NO_C", "") not in ("", "0"):
         return None
     try:
-        from mxfp8_convert import _cquant
+        import mxfp8_convert._cquant as _cquant  # a leaf: imports nothing of the package
     except ImportError:
         return None
     return _cquant if getattr(_cquant, "VERSION", None) == 2 else None
