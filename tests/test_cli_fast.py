@@ -15,7 +15,7 @@ import hypothesis.strategies as st
 import pytest
 
 import mxfp8_convert.cli as cli
-from mxfp8_convert.cli._fast import convert_args
+from mxfp8_convert.cli._fast import convert_args, inspect_args
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
 from tests.checkpoints import tree_hashes
 
@@ -95,6 +95,80 @@ _TOKENS = ["m", "n", "out", "-b", "--backend", "trtllm", "cutlass", "canonical",
 @hypothesis.given(st.lists(st.sampled_from(_TOKENS), max_size=9))
 def test_any_line_the_fast_path_takes_typer_reads_the_same(args):
     check(args)
+
+
+# --- inspect ---------------------------------------------------------------------------------
+
+
+def typer_inspect_reading(args: list[str]) -> dict | None:
+    """What Typer's ``inspect_cmd`` passes to ``run_inspect`` for ``inspect ARGS`` (PATH as
+    ``model``), or None where Typer refuses the line or does not inspect (``--help``)."""
+    from mxfp8_convert.cli import _app
+
+    got = []
+    real = _app.run_inspect
+    _app.run_inspect = lambda model, **kw: got.append({"model": model, **kw})
+    try:
+        code = _app.app(args=["inspect", *args], prog_name="mxfp8-convert",
+                        standalone_mode=False)
+    except _app.UsageError:
+        return None
+    finally:
+        _app.run_inspect = real
+    assert code in (None, 0)
+    return got[0] if got else None
+
+
+def check_inspect(args: list[str]) -> dict | None:
+    fast = inspect_args(list(args))
+    want = typer_inspect_reading(list(args))
+    if fast is not None:
+        assert want is not None, f"{args}: Typer refuses what the fast path took"
+        assert fast == want, args
+    return fast
+
+
+@pytest.mark.parametrize("args", [
+    ["m"], ["m", "--json"], ["--json", "m", "--debug"], ["m", "--source-format", "block_fp8"],
+    ["m", "--revision=main", "--source-format=sglang_mxfp8", "--json"],
+])
+def test_the_fast_path_takes_these_inspect_lines_as_typer_reads_them(args):
+    assert check_inspect(args) is not None
+
+
+@pytest.mark.parametrize("args", [
+    [], ["m", "n"], ["m", "--json", "--json"], ["m", "--help"], ["m", "--source-format", "x"],
+    ["m", "--revision"], ["m", "--revision", "-r"], ["m", "-b", "trtllm"], ["m", "--json=1"],
+    ["", "--json"], ["m", "--"],
+])
+def test_the_fast_path_leaves_other_inspect_lines_to_typer(args):
+    assert check_inspect(args) is None
+
+
+_INSPECT_TOKENS = ["m", "n", "--json", "--debug", "--revision", "main", "--source-format",
+                   "block_fp8", "sglang_mxfp8", "nope", "--source-format=block_fp8", "-", "--",
+                   "-b", "=", "--help", "--revision=v1"]
+
+
+@hypothesis.settings(max_examples=200, deadline=None)
+@hypothesis.given(st.lists(st.sampled_from(_INSPECT_TOKENS), max_size=7))
+def test_any_inspect_line_the_fast_path_takes_typer_reads_the_same(args):
+    check_inspect(args)
+
+
+def test_inspect_on_the_fast_path_never_imports_typer_or_pydantic(tmp_path):
+    src = write_checkpoint(tmp_path / "model", SPEC)
+    for extra in ([], ["--json"]):
+        r = _program(["inspect", src, *extra])
+        probe = json.loads(r.stderr.strip().splitlines()[-1])
+        assert probe == {"code": 0, "loaded": []}, r.stderr
+        # Typer's path (it alone reads a repeated flag) prints the same
+        slow = _program(["inspect", src, "--debug", "--debug", *extra])
+        assert json.loads(slow.stderr.strip().splitlines()[-1]) == {
+            "code": 0, "loaded": ["pydantic", "typer", "typer._adapters"]}
+        assert slow.stdout == r.stdout and r.stdout
+        if extra:
+            assert json.loads(r.stdout)["path"] == str(src)
 
 
 # --- the program on the fast path ------------------------------------------------------------

@@ -4,10 +4,10 @@
 are subcommands. Exit codes: 0 done, 1 conversion/verification failed, 2 usage error,
 130/143 interrupted.
 
-This module is the program: it reads the common convert command lines itself (``_fast``) and
-imports the Typer app (``_app``: options, help, usage errors) only for the others, since
-Typer's parsing imports pydantic (BENCHMARKS.md, issue 25). ``app``, ``parse_size`` and the
-commands are still reached here (``mxfp8_convert.cli.app``).
+This module is the program: it reads the common convert and inspect command lines itself
+(``_fast``) and imports the Typer app (``_app``: options, help, usage errors) only for the
+others, since Typer's parsing imports pydantic (BENCHMARKS.md, issue 25). ``app``,
+``parse_size`` and the commands are still reached here (``mxfp8_convert.cli.app``).
 """
 
 from __future__ import annotations
@@ -20,9 +20,9 @@ import sys
 
 from mxfp8_convert.cli import _run
 from mxfp8_convert.cli._errors import Interrupted, Terminated
-from mxfp8_convert.cli._fast import convert_args
+from mxfp8_convert.cli._fast import convert_args, inspect_args
 from mxfp8_convert.cli._output import Output
-from mxfp8_convert.cli._run import run_convert
+from mxfp8_convert.cli._run import run_convert, run_inspect
 
 SUBCOMMANDS = ("convert", "verify", "inspect", "finalize")
 
@@ -45,9 +45,10 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args and args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h", "--version"):
             args.insert(0, "convert")
-        fast = convert_args(args[1:]) if args and args[0] == "convert" else None
-        if fast is not None:
-            return _run_fast(fast)
+        fast = FAST.get(args[0] if args else "")
+        kwargs = fast[0](args[1:]) if fast else None
+        if kwargs is not None:
+            return _run_fast(fast[1], kwargs)
         from mxfp8_convert.cli import _app
 
         _app.app(args=args, prog_name="mxfp8-convert", standalone_mode=True)
@@ -64,13 +65,17 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-def _run_fast(kwargs: dict) -> int:
-    """``run_convert`` on a command line read by ``_fast.convert_args``, ending as Typer ends a
-    command in its standalone mode: 130 for a KeyboardInterrupt (Typer's silent exit), 1 for a
-    closed stdout (EPIPE: what is left to print goes nowhere); ``handle_errors``' exit codes
-    reach ``main`` as they do from Typer (``SystemExit``)."""
+#: the commands whose common lines ``_fast`` reads: its reader, and the command's body
+FAST = {"convert": (convert_args, run_convert), "inspect": (inspect_args, run_inspect)}
+
+
+def _run_fast(run, kwargs: dict) -> int:
+    """A command's body on a command line read by ``_fast``, ending as Typer ends a command in
+    its standalone mode: 130 for a KeyboardInterrupt (Typer's silent exit), 1 for a closed
+    stdout (EPIPE: what is left to print goes nowhere); ``handle_errors``' exit codes reach
+    ``main`` as they do from Typer (``SystemExit``)."""
     try:
-        run_convert(kwargs.pop("model"), kwargs.pop("backend"), **kwargs)
+        run(**kwargs)
     except KeyboardInterrupt:
         return 130
     except OSError as e:

@@ -17,11 +17,10 @@ from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.cli._errors import handle_errors
 from mxfp8_convert.cli._output import Output, size_bytes
 from mxfp8_convert.cli._run import (
-    _planning_only,
     _render_convert,
-    _render_inspect,
     _render_verify,
     run_convert,
+    run_inspect,
 )
 from mxfp8_convert.formats import FORMATS
 from mxfp8_convert.plan import MOE_MODES, ON_INELIGIBLE
@@ -389,13 +388,7 @@ def inspect_cmd(
 ) -> None:
     """Describe a checkpoint (source or output): format or layout, bytes by role, and per linear
     module whether each backend can take it and why not."""
-    from mxfp8_convert.inspection import inspect_checkpoint
-
-    out = Output(as_json=as_json)
-    with _planning_only(True):
-        with handle_errors(out, debug=debug):
-            report = inspect_checkpoint(path, source_format=source_format and source_format.value,
-                                        revision=revision)
-        out.result(report.to_dict(), lambda console: _render_inspect(console, report))
+    run_inspect(path, source_format=source_format and source_format.value, revision=revision,
+                as_json=as_json, debug=debug)
 
 

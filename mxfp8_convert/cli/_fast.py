@@ -1,10 +1,11 @@
-"""The common ``convert`` command lines, read without Typer's parser.
+"""The common ``convert`` and ``inspect`` command lines, read without Typer's parser.
 
 Typer (0.29) coerces every option through a pydantic ``TypeAdapter``: importing pydantic and
 building one adapter per option took 0.15-0.2 s of each run, before the conversion's first write
-(BENCHMARKS.md, issue 25). ``convert_args`` reads the command lines made only of the options
-below, each given once in its plainest spelling (``--opt value``, ``--opt=value``, a flag), with
-values Typer would take as they are, and returns ``run_convert``'s arguments; for anything else
+(BENCHMARKS.md, issue 25). ``convert_args`` and ``inspect_args`` read the command lines made only
+of the options below, each given once in its plainest spelling (``--opt value``, ``--opt=value``,
+a flag), with values Typer would take as they are, and return ``run_convert``'s or
+``run_inspect``'s arguments; for anything else
 (help, another command or option, a repeated option, a value starting with ``-``, a value Typer
 would coerce or refuse) it returns None, and Typer parses the command line as before, with its
 own messages. tests/test_cli_fast.py checks every accepted line against Typer's own reading.
@@ -54,18 +55,39 @@ COMPLETE_VAR = "_MXFP8_CONVERT_COMPLETE"
 def convert_args(args: list[str]) -> dict | None:
     """``run_convert``'s keyword arguments (MODEL as ``model``) for ``mxfp8-convert convert
     ARGS``, or None where Typer must read ``args``."""
+    given = _read(args, FLAGS, VALUES)
+    if given is None or "backend" not in given:
+        return None
+    return {**DEFAULTS, **given}
+
+
+#: ``inspect``: its flags, options with a value, and ``run_inspect``'s defaults
+INSPECT_FLAGS = {"--json": "as_json", "--debug": "debug"}
+INSPECT_VALUES = {"--source-format": "source_format", "--revision": "revision"}
+INSPECT_DEFAULTS = {"source_format": None, "revision": None, "as_json": False, "debug": False}
+
+
+def inspect_args(args: list[str]) -> dict | None:
+    """``run_inspect``'s keyword arguments (PATH as ``model``) for ``mxfp8-convert inspect
+    ARGS``, or None where Typer must read ``args``."""
+    given = _read(args, INSPECT_FLAGS, INSPECT_VALUES)
+    return None if given is None else {**INSPECT_DEFAULTS, **given}
+
+
+def _read(args: list[str], flags: dict[str, str], values: dict[str, str]) -> dict | None:
+    """The arguments given on a command line of one positional argument (``model``), the
+    ``flags`` and the options with a value in ``values``, each once; None where Typer decides."""
     if COMPLETE_VAR in os.environ:
         return None
     given: dict = {}
-    model = None
     i = 0
     while i < len(args):
         arg = args[i]
         i += 1
-        if not arg or arg.startswith("-") and arg not in FLAGS and arg.split("=")[0] not in VALUES:
+        if not arg or arg.startswith("-") and arg not in flags and arg.split("=")[0] not in values:
             return None  # "", "-", "--", an option not taken here, a flag given a value
-        if arg in FLAGS:
-            name, value = FLAGS[arg], True
+        if arg in flags:
+            name, value = flags[arg], True
         elif arg.startswith("-"):
             spelling, eq, value = arg.partition("=")
             if not eq:
@@ -75,22 +97,20 @@ def convert_args(args: list[str]) -> dict | None:
                 i += 1
             if not spelling.startswith("--") and eq:  # -o=x: Click reads "=x"
                 return None
-            name = VALUES[spelling]
+            name = values[spelling]
             if not value or value.startswith("-"):
                 return None
             value = _value(name, value)
             if value is None:
                 return None
-        elif model is None:
-            name, value, model = "model", arg, arg
+        elif "model" not in given:
+            name, value = "model", arg
         else:
             return None  # a second argument
         if name in given:
             return None
         given[name] = value
-    if model is None or "backend" not in given:
-        return None
-    return {**DEFAULTS, **given}
+    return given if "model" in given else None
 
 
 def _value(name: str, text: str):

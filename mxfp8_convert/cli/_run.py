@@ -308,6 +308,18 @@ def _render_verify(console, report) -> None:
                             [[m.where, m.what, str(m.position)] for m in report.mismatches[:50]]))
 
 
+def run_inspect(model: str, *, source_format: str | None, revision: str | None, as_json: bool,
+                debug: bool) -> None:
+    """The ``inspect`` command's body, for Typer's ``inspect_cmd`` and the fast path alike."""
+    from mxfp8_convert.inspection import inspect_checkpoint
+
+    out = Output(as_json=as_json)
+    with _planning_only(True):
+        with handle_errors(out, debug=debug):
+            report = inspect_checkpoint(model, source_format=source_format, revision=revision)
+        out.result(report.to_dict(), lambda console: _render_inspect(console, report))
+
+
 def _render_inspect(console, report) -> None:
     head = [["path", report.path], ["format", f"{report.format} ({report.kind})"],
             ["shards", str(report.shards)]]
