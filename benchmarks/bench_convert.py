@@ -119,12 +119,23 @@ def timed(cmd: list[str], device: str | None = None) -> tuple[float, float, int,
     return dt, usage.ru_utime + usage.ru_stime, usage.ru_maxrss * 1024, line  # KiB on Linux
 
 
+def warm(src: Path, drop: bool = False) -> None:
+    """The source's shards read into the page cache; with ``drop``, after emptying it (root:
+    every other cached file out first, so each process starts with the same free memory)."""
+    if drop:
+        subprocess.run(["sync"], check=True)
+        Path("/proc/sys/vm/drop_caches").write_text("3\n")
+    subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL,
+                   check=True)
+
+
 def against_cp(src: Path, dst: Path, contenders: dict[str, list[str]], repeat: int,
-               device: str | None = None):
+               device: str | None = None, drop_caches: bool = False):
     """``cp -r src dst`` + ``sync`` and each contender (given ``-o dst``), interleaved
-    ``repeat`` times, each from a synced, empty destination. Returns per name the lists of wall
-    and CPU seconds, the peak RSS and (with ``device``) the disk timelines; cp's timeline
-    covers ``sh -c 'cp -r ... && sync'``, one process."""
+    ``repeat`` times, each from a synced, empty destination (with ``drop_caches``, and a page
+    cache holding only the source). Returns per name the lists of wall and CPU seconds, the
+    peak RSS and (with ``device``) the disk timelines; cp's timeline covers ``sh -c 'cp -r ...
+    && sync'``, one process."""
     wall: dict[str, list[float]] = {"cp -r + sync": []}
     cpu: dict[str, list[float]] = {"cp -r + sync": []}
     rss: dict[str, int] = {}
@@ -132,6 +143,8 @@ def against_cp(src: Path, dst: Path, contenders: dict[str, list[str]], repeat: i
     for _ in range(repeat):
         shutil.rmtree(dst, ignore_errors=True)
         subprocess.run(["sync"], check=True)
+        if drop_caches:
+            warm(src, drop=True)
         if device:
             t, c, _, line = timed(["sh", "-c", 'cp -r "$0" "$1" && sync', str(src), str(dst)],
                                   device)
@@ -145,6 +158,8 @@ def against_cp(src: Path, dst: Path, contenders: dict[str, list[str]], repeat: i
         for name, cmd in contenders.items():
             shutil.rmtree(dst, ignore_errors=True)
             subprocess.run(["sync"], check=True)
+            if drop_caches:
+                warm(src, drop=True)
             t, c, r, line = timed([*cmd, "-o", str(dst)], device)
             wall.setdefault(name, []).append(t)
             cpu.setdefault(name, []).append(c)
@@ -202,6 +217,9 @@ def main() -> None:
                     "commit's `git archive`), as 'NAME@baseline'")
     ap.add_argument("--timeline", action="store_true",
                     help="sample the disk holding --dir while each process runs (Timeline)")
+    ap.add_argument("--drop-caches", action="store_true",
+                    help="before every process, empty the page cache (root) and read the source "
+                    "back: cp's time depends on how much memory it must first reclaim")
     ap.add_argument("--out", default=str(Path(__file__).parent / "results" / "convert.json"))
     ap.add_argument("--make-only", action="store_true", help=argparse.SUPPRESS)
     args = ap.parse_args()
@@ -214,8 +232,7 @@ def main() -> None:
                     args.dir], check=True)
     src = base / "src"
     size = sum(p.stat().st_size for p in src.iterdir())
-    subprocess.run(["cat", *map(str, src.glob("*.safetensors"))], stdout=subprocess.DEVNULL,
-                   check=True)  # warm the page cache
+    warm(src)
     contenders = {
         f"mxfp8-convert {backend}" + (f" --workers {w}" if w > 1 else ""):
             [sys.executable, "-P", "-m", "mxfp8_convert", str(src), "--backend", backend,
@@ -230,7 +247,8 @@ def main() -> None:
     device = _device(base) if args.timeline else None
     if args.timeline and device is None:
         raise SystemExit(f"{base}: no block device found for --timeline")
-    results, cpu, rss, lines = against_cp(src, base / "dst", contenders, args.repeat, device)
+    results, cpu, rss, lines = against_cp(src, base / "dst", contenders, args.repeat, device,
+                                          args.drop_caches)
 
     machine = banner()  # after the timings: importing torch must not inflate the children's RSS
     print(machine)
