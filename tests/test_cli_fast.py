@@ -22,29 +22,35 @@ from tests.checkpoints import tree_hashes
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def typer_reading(args: list[str]) -> dict | None:
-    """What Typer's ``convert_cmd`` passes to ``run_convert`` for ``convert ARGS``, or None
-    where Typer refuses the line (a usage error) or does not convert (``--help``)."""
+#: per command: the fast path's reader, the body Typer's command calls, its positional names
+COMMANDS = {"convert": (convert_args, "run_convert", ("model", "backend")),
+            "inspect": (inspect_args, "run_inspect", ("model",))}
+
+
+def typer_reading(args: list[str], command: str = "convert") -> dict | None:
+    """What Typer's ``command`` passes to its body (``run_convert``, ``run_inspect``) for
+    ``command ARGS``, or None where Typer refuses the line (a usage error) or does not run it
+    (``--help``)."""
     from mxfp8_convert.cli import _app
 
+    _, body, names = COMMANDS[command]
     got = []
-    real = _app.run_convert
-    _app.run_convert = lambda model, backend, **kw: got.append({"model": model,
-                                                                "backend": backend, **kw})
+    real = getattr(_app, body)
+    setattr(_app, body, lambda *pos, **kw: got.append({**dict(zip(names, pos, strict=True)),
+                                                        **kw}))
     try:
-        code = _app.app(args=["convert", *args], prog_name="mxfp8-convert",
-                        standalone_mode=False)
+        code = _app.app(args=[command, *args], prog_name="mxfp8-convert", standalone_mode=False)
     except _app.UsageError:
         return None
     finally:
-        _app.run_convert = real
+        setattr(_app, body, real)
     assert code in (None, 0)
     return got[0] if got else None
 
 
-def check(args: list[str]) -> dict | None:
-    fast = convert_args(list(args))
-    want = typer_reading(list(args))
+def check(args: list[str], command: str = "convert") -> dict | None:
+    fast = COMMANDS[command][0](list(args))
+    want = typer_reading(list(args), command)
     if fast is not None:
         assert want is not None, f"{args}: Typer refuses what the fast path took"
         assert fast == want, args
@@ -100,40 +106,12 @@ def test_any_line_the_fast_path_takes_typer_reads_the_same(args):
 # --- inspect ---------------------------------------------------------------------------------
 
 
-def typer_inspect_reading(args: list[str]) -> dict | None:
-    """What Typer's ``inspect_cmd`` passes to ``run_inspect`` for ``inspect ARGS`` (PATH as
-    ``model``), or None where Typer refuses the line or does not inspect (``--help``)."""
-    from mxfp8_convert.cli import _app
-
-    got = []
-    real = _app.run_inspect
-    _app.run_inspect = lambda model, **kw: got.append({"model": model, **kw})
-    try:
-        code = _app.app(args=["inspect", *args], prog_name="mxfp8-convert",
-                        standalone_mode=False)
-    except _app.UsageError:
-        return None
-    finally:
-        _app.run_inspect = real
-    assert code in (None, 0)
-    return got[0] if got else None
-
-
-def check_inspect(args: list[str]) -> dict | None:
-    fast = inspect_args(list(args))
-    want = typer_inspect_reading(list(args))
-    if fast is not None:
-        assert want is not None, f"{args}: Typer refuses what the fast path took"
-        assert fast == want, args
-    return fast
-
-
 @pytest.mark.parametrize("args", [
     ["m"], ["m", "--json"], ["--json", "m", "--debug"], ["m", "--source-format", "block_fp8"],
     ["m", "--revision=main", "--source-format=sglang_mxfp8", "--json"],
 ])
 def test_the_fast_path_takes_these_inspect_lines_as_typer_reads_them(args):
-    assert check_inspect(args) is not None
+    assert check(args, "inspect") is not None
 
 
 @pytest.mark.parametrize("args", [
@@ -142,7 +120,7 @@ def test_the_fast_path_takes_these_inspect_lines_as_typer_reads_them(args):
     ["", "--json"], ["m", "--"],
 ])
 def test_the_fast_path_leaves_other_inspect_lines_to_typer(args):
-    assert check_inspect(args) is None
+    assert check(args, "inspect") is None
 
 
 _INSPECT_TOKENS = ["m", "n", "--json", "--debug", "--revision", "main", "--source-format",
@@ -153,7 +131,7 @@ _INSPECT_TOKENS = ["m", "n", "--json", "--debug", "--revision", "main", "--sourc
 @hypothesis.settings(max_examples=200, deadline=None)
 @hypothesis.given(st.lists(st.sampled_from(_INSPECT_TOKENS), max_size=7))
 def test_any_inspect_line_the_fast_path_takes_typer_reads_the_same(args):
-    check_inspect(args)
+    check(args, "inspect")
 
 
 def test_inspect_on_the_fast_path_never_imports_typer_or_pydantic(tmp_path):
