@@ -45,10 +45,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         if args and args[0] not in SUBCOMMANDS and args[0] not in ("--help", "-h", "--version"):
             args.insert(0, "convert")
-        fast = FAST.get(args[0] if args else "")
-        kwargs = fast[0](args[1:]) if fast else None
+        kwargs, run = _fast(args)
         if kwargs is not None:
-            return _run_fast(fast[1], kwargs)
+            return _run_fast(run, kwargs)
         from mxfp8_convert.cli import _app
 
         _app.app(args=args, prog_name="mxfp8-convert", standalone_mode=True)
@@ -65,8 +64,14 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
-#: the commands whose common lines ``_fast`` reads: its reader, and the command's body
-FAST = {"convert": (convert_args, run_convert), "inspect": (inspect_args, run_inspect)}
+def _fast(args: list[str]):
+    """A command line ``_fast`` reads (``convert`` and ``inspect``): the body's keyword
+    arguments and the body, or None (and None) where Typer reads it."""
+    if args and args[0] == "convert":
+        return convert_args(args[1:]), run_convert
+    if args and args[0] == "inspect":
+        return inspect_args(args[1:]), run_inspect
+    return None, None
 
 
 def _run_fast(run, kwargs: dict) -> int:
