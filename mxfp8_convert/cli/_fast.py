@@ -1,14 +1,14 @@
 """The common ``convert`` and ``inspect`` command lines, read without Typer's parser.
 
 Typer (0.29) coerces every option through a pydantic ``TypeAdapter``: importing pydantic and
-building one adapter per option took 0.15-0.2 s of each run, before the conversion's first write
-(BENCHMARKS.md, issue 25). ``convert_args`` and ``inspect_args`` read the command lines made only
-of the options below, each given once in its plainest spelling (``--opt value``, ``--opt=value``,
-a flag), with values Typer would take as they are, and return ``run_convert``'s or
-``run_inspect``'s arguments; for anything else
-(help, another command or option, a repeated option, a value starting with ``-``, a value Typer
-would coerce or refuse) it returns None, and Typer parses the command line as before, with its
-own messages. tests/test_cli_fast.py checks every accepted line against Typer's own reading.
+building one adapter per option cost each run a noticeable share of its start-up, before the
+conversion's first write (measured in BENCHMARKS.md, issue 25). ``convert_args`` and
+``inspect_args`` read the command lines made only of the options below, each given once in its
+plainest spelling (``--opt value``, ``--opt=value``, a flag), with values Typer would take as they
+are, and return ``run_convert``'s or ``run_inspect``'s arguments; for anything else (help, another
+command or option, a repeated option, a value starting with ``-``, a value Typer would coerce or
+refuse) it returns None, and Typer parses the command line as before, with its own messages.
+tests/test_cli_fast.py checks every accepted line against Typer's own reading.
 """
 
 from __future__ import annotations

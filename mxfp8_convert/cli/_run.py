@@ -59,8 +59,8 @@ def run_convert(model: str, backend: str, *, output: str | None, overwrite: bool
 
 #: what the end of a conversion imports: the model card's modules (``publish``) and, for people,
 #: the result table's. They are imported on a thread once this many bytes are on their way to
-#: the disk, which then stays busy with the writes queued meanwhile; at the end they took
-#: 0.06-0.19 s after the last write (BENCHMARKS.md, issue 25)
+#: the disk, which then stays busy with the writes queued meanwhile, instead of after the last
+#: write (measured in BENCHMARKS.md, issue 25)
 PRELOAD_AFTER = 64 << 20
 CARD_MODULES = ("huggingface_hub.repocard_data", "safetensors")
 TABLE_MODULES = ("rich.console", "rich.table")
