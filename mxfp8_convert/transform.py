@@ -50,7 +50,7 @@ CHUNK_BYTES = 32 << 20
 PIPELINE_DEPTH = 2
 #: modules queued for the helpers beyond the ``in_flight`` they compute: a helper done with a
 #: small module takes the next at once instead of waiting until this thread has written the
-#: ones before it (BENCHMARKS.md, "Dense quantization: where the CPU goes")
+#: ones before it (BENCHMARKS.md, "Design decisions (conversion)")
 QUEUED_AHEAD = 2
 E4M3_NAN_BYTES = bytes([0x7F, 0xFF])
 

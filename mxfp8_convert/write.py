@@ -47,7 +47,7 @@ from mxfp8_convert.format import PARTIAL_MANIFEST as MANIFEST_NAME
 WRITE_PIECE = 256 << 10
 #: the same for direct writes, whose pieces are copied into a buffer rather than written one by
 #: one: 1 MiB pieces (still within the CPU's caches) take 4x fewer Python steps per byte than
-#: 256 KiB ones, and less CPU per GB (BENCHMARKS.md, issue 25, "kept: direct-write pieces")
+#: 256 KiB ones, and less CPU per GB (BENCHMARKS.md, "Design decisions (conversion)")
 DIRECT_PIECE = 1 << 20
 #: writes smaller than this are copied into one buffer and written together: a thread hand-off
 #: per small tensor cost ~0.2 ms, which dominated checkpoints of many small tensors
@@ -60,7 +60,7 @@ WRITEBACK_BYTES = 32 << 20
 #: O_DIRECT or these writes gets buffered ones instead (``_Direct._write_all``)
 DIRECT_ALIGN = 4096
 #: bytes per direct write, and per page-aligned buffer; each shard writer fills one buffer
-#: while the others are written (BENCHMARKS.md, "4.33 GB conversion vs cp")
+#: while the others are written (BENCHMARKS.md, "Design decisions (conversion)")
 DIRECT_BYTES = 8 << 20
 DIRECT_BUFFERS = 3
 _O_DIRECT = getattr(os, "O_DIRECT", 0)
