@@ -1,7 +1,7 @@
 """``torch`` and ``numpy``, imported when first used.
 
-Laying an MXFP8 checkpoint out for a kernel only moves bytes, and importing torch takes
-1.5-2.5 s on a small machine (more than half of converting 4 GB; BENCHMARKS.md). The modules on
+Laying an MXFP8 checkpoint out for a kernel only moves bytes, and importing torch costs
+seconds on a small machine (BENCHMARKS.md, "Design decisions (conversion)"). The modules on
 that path name torch through this proxy, so only the paths that compute on tensors import it.
 Code that must not import torch by accident asks ``torch_loaded()`` before ``isinstance`` checks.
 

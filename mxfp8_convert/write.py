@@ -42,15 +42,15 @@ from mxfp8_convert.format import (  # noqa: F401 - re-exported
 from mxfp8_convert.format import PARTIAL_MANIFEST as MANIFEST_NAME
 
 #: bytes per step of the one pass over each chunk (scan, hashes, layout, copy or write): the
-#: piece is still in the CPU cache for each of them (256 KiB buffered writes ran 2-5x faster
-#: than 32 MiB ones on ext4 here); BENCHMARKS.md
+#: piece is still in the CPU cache for each of them (BENCHMARKS.md, "Design decisions
+#: (conversion)")
 WRITE_PIECE = 256 << 10
 #: the same for direct writes, whose pieces are copied into a buffer rather than written one by
-#: one: 1 MiB pieces (still within the CPU's caches) take 4x fewer Python steps per byte than
+#: one: 1 MiB pieces (still within the CPU's caches) take fewer Python steps per byte than
 #: 256 KiB ones, and less CPU per GB (BENCHMARKS.md, "Design decisions (conversion)")
 DIRECT_PIECE = 1 << 20
 #: writes smaller than this are copied into one buffer and written together: a thread hand-off
-#: per small tensor cost ~0.2 ms, which dominated checkpoints of many small tensors
+#: per small tensor dominated checkpoints of many small tensors
 COALESCE_BYTES = 1 << 20
 #: buffered writes only: every this many bytes written, the last window's pages are handed to
 #: writeback and the window before it dropped from the page cache (``_Buffered._let_go``)
@@ -190,8 +190,8 @@ class _Direct:
     and written with O_DIRECT by an I/O thread while the pass fills the next buffer.
 
     Direct writes bypass the page cache: no page allocation, LRU or delayed-allocation work
-    per byte, no dirty pages to hand to writeback (the buffered path's main CPU cost: 0.8-0.9
-    CPU s/GB against ~0.1 here, BENCHMARKS.md). The bytes cost one copy into the buffer (or a
+    per byte, no dirty pages to hand to writeback (the buffered path's main CPU cost,
+    BENCHMARKS.md, "Design decisions (conversion)"). The bytes cost one copy into the buffer (or a
     layout straight into it), in the same pass as the check and the hashes. The buffers hold
     the file's bytes from its start, header included, so every full buffer is an aligned
     write; the last one's aligned part goes direct and its tail (under ``DIRECT_ALIGN``

@@ -537,7 +537,7 @@ def expert_slices(experts: MXFP8MoEWeights, e: int) -> tuple[ExpertSlice, Expert
 #: How the triton engine runs the experts: ``"loop"`` (the dense kernel per expert, proven on the
 #: H200) or ``"grouped"`` (``hopper/grouped_moe.py``: one launch per GEMM for all experts).
 TRITON_METHODS = ("loop", "grouped")
-DEFAULT_TRITON_METHOD = "grouped"  # measured on the H200 (BENCHMARKS.md): ~10x faster than "loop"
+DEFAULT_TRITON_METHOD = "grouped"  # the faster on the H200 (BENCHMARKS.md, fused MoE on Hopper)
 
 
 def triton_fused_moe(
