@@ -179,6 +179,9 @@ class Tuning:
     # slowed large ones at M <= 64 (DeepSeek o_proj M = 32 54.4 vs 46.0 us, Llama gate_up M = 64
     # 37.6 vs 30.9)
     dqmma_pdl_max_weight: int = 32_000_000
+    # the one-chain dqmma kernel's split-K partials summed by the last program of each tile to
+    # arrive (an arrival counter; no reduction kernel)
+    dqmma_serial: bool = True
     ws_wide_min_k: int = 4096
     ws_wide_min_share: float = 0.75
 
@@ -529,8 +532,10 @@ def dqmma_launch(cfg: GemmConfig, n: int, k: int, facts: DeviceFacts) -> GemmCon
     once; the kernel's first weight tiles and scale words before its wait (unless
     ``weight_prefetch`` is off)."""
     pdl = facts.pdl and n * k < TUNED.dqmma_pdl_max_weight
+    serial = TUNED.dqmma_serial and cfg.split_k > 1 and not cfg.specialized
     return dataclasses.replace(cfg, pdl=pdl, prefetch=pdl and facts.weight_prefetch,
-                               red_release=pdl and cfg.split_k > 1)
+                               serial_reduce=serial,
+                               red_release=pdl and cfg.split_k > 1 and not serial)
 
 
 def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
