@@ -456,18 +456,8 @@ def test_a_refused_cluster_launch_falls_back_to_global_memory(monkeypatch):
 
 def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool,
                 fast: bool = True, specialized: bool = False, pdl: bool = False,
-                prefetch: bool = False, serial: bool = False) -> tuple[str, int]:
-    """SASS and shared-memory bytes of the dequantizing wgmma kernel compiled for sm_90a
-    (``serial``: the one-chain kernel's last-program split-K reduction)."""
-    sass, shared, _ = _dqmma_build(block_n, bm, stages, layout, partial, fast, specialized, pdl,
-                                   prefetch, serial)
-    return sass, shared
-
-
-def _dqmma_build(block_n: int, bm: int, stages: int, layout: str, partial: bool,
-                 fast: bool = True, specialized: bool = False, pdl: bool = False,
-                 prefetch: bool = False, serial: bool = False) -> tuple[str, int, int]:
-    """:func:`_dqmma_sass` and the registers a thread (``cuobjdump -res-usage``)."""
+                prefetch: bool = False) -> tuple[str, int]:
+    """SASS and shared-memory bytes of the dequantizing wgmma kernel compiled for sm_90a."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.experimental.gluon._runtime import GluonASTSource
@@ -483,15 +473,12 @@ def _dqmma_build(block_n: int, bm: int, stages: int, layout: str, partial: bool,
     wd = TensorDescriptor(w, [n, k], [k, 1], [box, 128], dqmma._smem_layout(box, 128, "float8e4nv"))
     xd = TensorDescriptor(x, [512, k], [k, 1], [bm, 64], dqmma._smem_layout(bm, 64, "bfloat16"))
     sig = {"w_desc": mangle_type(wd), "x_desc": mangle_type(xd), "s_ptr": "*i32", "b_ptr": "*bf16",
-           "out_ptr": "*bf16", "ws_ptr": "*fp32", "lock_ptr": "*i32", "M": "i32", "N": "i32",
-           "K": "i32", "stride_om": "i32", "stride_os": "i32", "scale_cp4": "i32",
-           "split_k": "i32"}
+           "out_ptr": "*bf16", "ws_ptr": "*fp32", "M": "i32", "N": "i32", "K": "i32",
+           "stride_om": "i32", "stride_os": "i32", "scale_cp4": "i32", "split_k": "i32"}
     const = {"LAYOUT": dqmma.LAYOUT_CODE[layout], "HAS_BIAS": True, "PARTIAL": partial,
-             "STAGES": stages, "FAST": fast, "PDL": pdl, "PREFETCH": prefetch, "SERIAL": serial,
-             "RED_CHUNK": 4, "RED_EPT": dqmma.serial_ept(block_n, bm, stages)}
+             "STAGES": stages, "FAST": fast, "PDL": pdl, "PREFETCH": prefetch}
     fn, options = dqmma._dqmma_kernel, {"num_warps": block_n // 16, "enable_fp_fusion": FP_FUSION}
     if specialized:
-        del sig["lock_ptr"], const["SERIAL"], const["RED_CHUNK"], const["RED_EPT"]
         cons = block_n // 64
         const.update(CONS=cons, CONS_REGS=dqmma.WS_CONS_REGS[cons])
         fn, options = dqmma._dqmma_ws_kernel, {"num_warps": 4, "maxnreg": dqmma.WS_MAXNREG[cons],
@@ -499,24 +486,22 @@ def _dqmma_build(block_n: int, bm: int, stages: int, layout: str, partial: bool,
     const["num_warps"] = options["num_warps"]
     sig.update(dict.fromkeys(const, "constexpr"))
     names = list(sig)
-    attrs = {(names.index(a),): [["tt.divisibility", 16]]  # as Triton specializes them
-             for a in ("s_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_om", "stride_os")}
+    attrs = {(names.index(a),): [["tt.divisibility", 16]]
+             for a in ("s_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_om")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
     tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
     path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
                         f"mxfp8_dqmma_{os.getpid()}_{block_n}_{bm}_{stages}_{layout}_{pdl}"
-                        f"_{prefetch}_{serial}.cubin")
+                        f"_{prefetch}.cubin")
     with open(path, "wb") as f:
         f.write(kernel.asm["cubin"])
     try:
         sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path],
                               capture_output=True, text=True, check=True).stdout
-        usage = subprocess.run([os.path.join(tools, "cuobjdump"), "-res-usage", path],
-                               capture_output=True, text=True, check=True).stdout
     finally:
         os.unlink(path)
-    return sass, kernel.metadata.shared, int(re.search(r"REG:(\d+)", usage)[1])
+    return sass, kernel.metadata.shared
 
 
 def _instructions(sass: str) -> list[tuple[int, str]]:
@@ -551,41 +536,6 @@ def test_dqmma_kernel_keeps_its_bf16_wgmmas_in_flight(block_n, bm, stages, layou
     hgmma = [a for a, t in ins if "HGMMA" in t]
     assert not [t for a, t in ins if hgmma[0] <= a <= hgmma[-1] and re.search(r"\b(STL|LDL)\b", t)]
     assert shared <= 227 * 1024
-
-
-def _programs_an_sm(shared: int, regs: int, threads: int) -> int:
-    """Programs of ``threads`` threads that fit one Hopper SM: 228 KB of shared memory (1 KB
-    reserved a program), 64 K registers (allocated 8 a thread at a time), 2048 threads."""
-    return min((228 * 1024) // (shared + 1024), 65536 // (-(-regs // 8) * 8 * threads),
-               2048 // threads)
-
-
-@pytest.mark.parametrize("block_n,bm,stages,layout", [
-    (64, 32, 3, "trtllm"), (64, 64, 3, "cutlass"), (64, 128, 3, "trtllm"),
-    (128, 128, 2, "trtllm"), (128, 128, 3, "cutlass"), (64, 256, 3, "trtllm")])
-def test_dqmma_serial_reduction_leaves_the_k_loop_and_the_programs_an_sm(block_n, bm, stages,
-                                                                         layout):
-    """The one-chain dqmma kernel with the last-program split-K reduction (``SERIAL``) for
-    sm_90a: the K loop's 16 bf16 wgmmas still in flight as without it; one arrival (an atomic
-    add at GPU scope) and one re-arm (an exchange); the partials read around L1 (``.STRONG.GPU``:
-    the other programs wrote them), 16 bytes a load; no spills; and no fewer programs an SM
-    than without it (its registers stay within what the shared memory lets share an SM)."""
-    sass, shared, regs = _dqmma_build(block_n, bm, stages, layout, True, serial=True)
-    plain, plain_shared, plain_regs = _dqmma_build(block_n, bm, stages, layout, True)
-    assert "ATOMG" not in plain
-    mma = re.findall(rf"HGMMA\.64x{bm}x16\.F32\.BF16 R\d+, R\d+, gdesc", sass)
-    assert len(mma) == 16, len(mma)
-    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x0") == 1
-    assert sass.count("WARPGROUP.DEPBAR.LE gsb0, 0x1") >= 8
-    assert len(re.findall(r"ATOMG\.E\.ADD\.STRONG\.GPU", sass)) == 1
-    assert len(re.findall(r"ATOMG\.E\.EXCH\.STRONG\.GPU", sass)) == 1
-    loads = re.findall(r"LDG\.E(\S*) ", sass)
-    assert ".128.STRONG.GPU" in loads
-    assert not [t for t in loads if "STRONG" in t and ".128" not in t], loads
-    assert not re.search(r"\b(STL|LDL)\b", sass)
-    threads = 32 * block_n // 16
-    assert shared == plain_shared
-    assert _programs_an_sm(shared, regs, threads) == _programs_an_sm(shared, plain_regs, threads)
 
 
 @pytest.mark.parametrize("block_n,bm,stages,layout,partial", [

@@ -225,10 +225,7 @@ def test_serving_rule_on_an_h200(m, n, k, kind, block_n, block_m, split):
         # quantization, kernel and reduction as a PDL chain below 32 M weight elements, the
         # weight's first tiles early
         assert cfg.pdl == cfg.prefetch == (n * k < 32_000_000)
-        # split K: the last program of each tile sums the partials (TUNED.dqmma_serial), else
-        # the reduction kernel, released at once under PDL
-        assert cfg.serial_reduce == (split > 1 and TUNED.dqmma_serial)
-        assert cfg.red_release == (cfg.pdl and split > 1 and not cfg.serial_reduce)
+        assert cfg.red_release == (cfg.pdl and split > 1)
 
 
 @pytest.mark.parametrize("device,pdl,prefetch", [
@@ -239,8 +236,7 @@ def test_dqmma_launch_follows_the_pdl_mode(device, pdl, prefetch, m, n, k):
     ``MXFP8_PDL=0``: no PDL."""
     cfg = choose_config(m, n, k, FACTS[device])
     assert cfg.kind is Kernel.DQMMA
-    assert (cfg.pdl, cfg.prefetch, cfg.red_release) == (
-        pdl, prefetch, pdl and cfg.split_k > 1 and not cfg.serial_reduce)
+    assert (cfg.pdl, cfg.prefetch, cfg.red_release) == (pdl, prefetch, pdl and cfg.split_k > 1)
 
 
 @pytest.mark.parametrize("m,n,k,specialized", [

@@ -546,51 +546,6 @@ def test_dqmma_configs_agree(layout, n, m):
                 assert torch.equal(outs[0], o)
 
 
-@pytest.mark.parametrize("layout,n", [("trtllm", 576), ("cutlass", 544)])
-@pytest.mark.parametrize("m", [17, 64, 100, 257])
-def test_dqmma_serial_reduction_gives_the_reduction_kernels_bits(layout, n, m, monkeypatch):
-    """The one-chain dqmma kernel's split-K partials summed by the last program of each tile to
-    arrive (an arrival counter per tile, re-armed by that program) give the bits of the
-    reduction kernel, bit for bit (zeros' signs included), and within 1e-2 of the float64
-    reference: every tile shape the rules use (32..256 tokens; 64 rows in rings of 3, 128 rows
-    in rings of 2 and 3), so every piece size of the sum (8, 16 and 32 elements a thread);
-    splits of 56 K-tiles into 2, 7 and 14 (1, 2 and 4 rounds of 4 partials, the last masked);
-    tokens past M in a tile (M = 17, 100, 257) and the N tail (544 = 8.5 x 64); bias; with and
-    without the PDL chain; each config twice (the counters must re-arm). The serial configs
-    launch no reduction kernel."""
-    tri = _triton()
-    if torch.cuda.get_device_capability()[0] != 9 or _gluon() is None:
-        pytest.skip("needs Hopper and Triton's Gluon")
-    from mxfp8_convert.runtime.hopper import launch
-
-    reductions = []
-    kernel = launch._reduce_splits
-    monkeypatch.setattr(launch, "_reduce_splits",
-                        lambda *a, **kw: reductions.append(1) or kernel(*a, **kw))
-    k = 7168
-    w, q, code = random_weight(n, k, layout, seed=37 + m)
-    bias = torch.randn(n, device="cuda", dtype=torch.bfloat16)
-    x = (torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
-         * torch.logspace(-3, 3, k, device="cuda").bfloat16())
-    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
-    facts = _facts()
-    cases = [(64, 32, 3, 7, False), (64, 64, 3, 2, False), (64, 64, 3, 7, True),
-             (64, 128, 3, 7, False), (128, 128, 2, 7, True), (128, 128, 3, 14, False),
-             (64, 256, 3, 7, False)]
-    for b, r in ((None, ref), (bias, ref + bias.double())):
-        for bn, bm, stages, split, pdl in cases:
-            cfg = tri.dqmma_config(m, n, k, facts, block_n=bn, block_m=bm, stages=stages)
-            cfg = dataclasses.replace(cfg, split_k=split, pdl=pdl, prefetch=pdl,
-                                      red_release=pdl, serial_reduce=False)
-            reductions.clear()
-            two = _check_twice(tri, x, w, b, r, cfg)
-            assert len(reductions) == 2
-            serial = dataclasses.replace(cfg, serial_reduce=True, red_release=False)
-            one = _check_twice(tri, x, w, b, r, serial)
-            assert len(reductions) == 2, "the serial configs launched a reduction kernel"
-            assert torch.equal(two.view(torch.int16), one.view(torch.int16)), serial
-
-
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("specialized", [False, True])
 def test_dqmma_bit_conversion_matches_the_fp32_path(layout, specialized):

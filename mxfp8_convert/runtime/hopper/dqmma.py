@@ -21,10 +21,8 @@ flight). A stage is refilled once the wgmmas that read it have retired.
 Rows are processed in *physical* order (TMA loads contiguous row boxes); the epilogue maps each
 physical row to its logical output column (trtllm: the P32 permutation stays within 32-row
 groups; cutlass: the identity). Split-K partials go to an fp32 workspace in physical row order
-and ``reduce.py`` sums them (``P32``), or, with ``SERIAL`` (one-chain kernel), the last program of
-each output tile to arrive (an atomic arrival counter per tile) sums them in split order, as
-``reduce.py`` does: the same bits, one launch fewer (:func:`_serial_sum`). Rows of the activation
-box past M are TMA's zero fill and are never stored.
+and ``reduce.py`` sums them (``P32``). Rows of the activation box past M are TMA's zero fill and
+are never stored.
 
 The e4m3 -> bf16 conversion is bit moves and one bf16x2 multiply per two elements where every
 scale code of the weight is <= 134 (:func:`fast_conversion`), else e4m3 -> fp32 -> bf16; the
@@ -66,12 +64,7 @@ from mxfp8_convert.runtime.hopper.jit import (
     _pow2_f32,
     _scale_row_base,
 )
-from mxfp8_convert.runtime.hopper.wgmma import (
-    LAYOUT_CODE,
-    _cta_barrier,
-    _gdc_wait_and_release,
-    _tma_load,
-)
+from mxfp8_convert.runtime.hopper.wgmma import LAYOUT_CODE, _gdc_wait_and_release, _tma_load
 from mxfp8_convert.runtime.weight import MXFP8Weight
 
 BLOCK_K = 128  # K per pipeline stage: four 32-blocks, one 128x4 scale word per row
@@ -171,11 +164,10 @@ def _ktile(w_desc, x_desc, w_s, x_s, bars, acc, a, sw_word, i, kt0, n_it, p0, m0
 
 @gluon.jit
 def _dqmma_kernel(
-    w_desc, x_desc, s_ptr, b_ptr, out_ptr, ws_ptr, lock_ptr,
+    w_desc, x_desc, s_ptr, b_ptr, out_ptr, ws_ptr,
     M, N, K, stride_om, stride_os, scale_cp4, split_k,
     LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr, STAGES: gl.constexpr,
-    FAST: gl.constexpr, PDL: gl.constexpr, PREFETCH: gl.constexpr, SERIAL: gl.constexpr,
-    RED_CHUNK: gl.constexpr, RED_EPT: gl.constexpr, num_warps: gl.constexpr,
+    FAST: gl.constexpr, PDL: gl.constexpr, PREFETCH: gl.constexpr, num_warps: gl.constexpr,
 ):
     if PDL and not PREFETCH:  # before any access to memory
         _gdc_wait_and_release()
@@ -239,49 +231,6 @@ def _dqmma_kernel(
     cols = m0 + gl.arange(0, BM, layout=col_l)
     _epilogue(acc, rows, cols, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
               LAYOUT, HAS_BIAS, PARTIAL)
-    if SERIAL:  # the last split of this tile to arrive sums the partials: no second launch
-        _cta_barrier()  # every thread's partial is stored before the release below
-        tile = gl.program_id(0)
-        arrived = gl.atomic_add(lock_ptr + tile, 1, sem="acq_rel", scope="gpu")
-        if arrived == split_k - 1:
-            _serial_sum(ws_ptr, b_ptr, out_ptr, p0, m0, M, N, split_k, stride_om, stride_os, BN,
-                        BM, LAYOUT, HAS_BIAS, RED_CHUNK, RED_EPT, num_warps)
-            gl.atomic_xchg(lock_ptr + tile, 0)  # re-arm for the next call
-
-
-@gluon.jit
-def _serial_sum(ws_ptr, b_ptr, out_ptr, p0, m0, M, N, split_k, stride_om, stride_os,
-                BN: gl.constexpr, BM: gl.constexpr, LAYOUT: gl.constexpr,
-                HAS_BIAS: gl.constexpr, RED_CHUNK: gl.constexpr, EPT: gl.constexpr,
-                num_warps: gl.constexpr):
-    """Sum the ``split_k`` fp32 partials of the ``[BN, BM]`` tile at physical row ``p0`` and
-    token ``m0`` (+ bias) into the output, as ``reduce.py`` does: split 0, then ``RED_CHUNK``
-    partials per round trip to L2 (masked ones add 0.0, as there), the bias last, one rounding
-    to bf16, so the bits are the reduction kernel's with the same ``RED_CHUNK``. The tile goes
-    in pieces of ``EPT`` elements a thread (consecutive physical rows of one token, contiguous
-    in the workspace: 16-byte loads), only the pieces with tokens below ``M``."""
-    RC: gl.constexpr = EPT * 32 * num_warps // BN  # tokens a piece
-    red_l: gl.constexpr = gl.BlockedLayout([EPT], [32], [num_warps], [0])
-    e = gl.arange(0, BN * RC, layout=red_l)
-    rows = p0 + e % BN
-    lrows = _p32_logical(rows) if LAYOUT == 1 else rows  # trtllm rows are P32-shuffled
-    row_ok = rows < N  # (a trtllm N is a multiple of 32: the same set of logical rows)
-    if HAS_BIAS:
-        bias = gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32)
-    stride = stride_os.to(gl.int64)
-    for c0 in range(0, gl.minimum(BM, M - m0), RC):
-        cols = m0 + c0 + e // BN
-        mask = row_ok & (cols < M)
-        ws = ws_ptr + (cols.to(gl.int64) * N + rows)
-        total = gl.load(ws, mask=mask, other=0.0, cache_modifier=".cg")
-        for sp in range(1, split_k, RED_CHUNK):
-            for j in gl.static_range(RED_CHUNK):
-                total = total + gl.load(ws + (sp + j) * stride, mask=mask & (sp + j < split_k),
-                                        other=0.0, cache_modifier=".cg")
-        if HAS_BIAS:
-            total += bias
-        gl.store(out_ptr + (cols.to(gl.int64) * stride_om + lrows),
-                 total.to(out_ptr.dtype.element_ty), mask=mask)
 
 
 @gluon.jit
@@ -474,22 +423,10 @@ def fast_conversion(scale: torch.Tensor) -> bool:
     return ok
 
 
-def serial_ept(block_n: int, block_m: int, stages: int) -> int:
-    """Partial elements a thread sums per piece of the last-program reduction (each piece is
-    ``ceil(split_k / red_chunk)`` round trips to L2), as many as the registers allow without
-    fewer programs an SM (``test_gluon_compile``): 32 for 128 tokens in a ring of 3 or more
-    (one program an SM), 8 for 128 rows in a ring of 2 (two programs of 256 threads an SM: 128
-    registers a thread), else 16 (four 16-byte loads a partial; 32 spilled at 256 tokens); at
-    most the tile's elements a thread."""
-    if block_m == 128 and stages >= 3:
-        return 32
-    return min(8 if block_n == 128 and stages == 2 else 16, block_m // 2)
-
-
 def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
           ws: torch.Tensor | None, *, split_k: int, block_n: int, block_m: int,
           stages: int, specialized: bool = False, fast: bool | None = None, pdl: bool = False,
-          prefetch: bool = False, lock: torch.Tensor | None = None, red_chunk: int = 4) -> None:
+          prefetch: bool = False) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16) from ``xd [M, K]``, the exactly dequantized bf16
     MXFP8 activations (``quantize_activations(x)["deq"]``, 16-byte aligned rows); with ``split_k
     > 1`` fp32 partials go to ``ws [split_k, M, N]`` in the weight's physical row order, for the
@@ -502,11 +439,7 @@ def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out:
     quantization that wrote ``xd``), which it waits for before reading the activations and
     storing, releasing the next kernel (the reduction) at once; ``prefetch`` (with ``pdl``): the
     weight's first tiles and scale words are loaded before the wait (the weight must not be
-    written by the previous kernels). ``lock`` (one-chain kernel, ``split_k > 1``): zeroed int32
-    arrival counters, one per output tile (``cdiv(N, block_n) * cdiv(M, block_m)``), which the
-    kernel re-arms: the last split of each tile to arrive sums the partials into ``out``
-    (``red_chunk`` of them per round trip, the bits of ``reduce.py`` with that ``CHUNK``), else
-    the caller does."""
+    written by the previous kernels)."""
     m, k = xd.shape
     n = weight.shape[0]
     if block_n not in (64, 128, 256) or block_m not in (16, 32, 64, 128, 256):
@@ -520,8 +453,6 @@ def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out:
         raise ValueError(f"split_k={split_k}: leaves a split of K = {k} empty")
     if specialized and block_n not in (64, 128):
         raise ValueError(f"block_n={block_n}: the specialized kernel takes 64 or 128 rows")
-    if specialized and lock is not None:
-        raise ValueError("the specialized kernel leaves its partials to the reduction kernel")
     if fast is None:
         fast = fast_conversion(weight.scale)
     box_n = 64 if specialized else block_n
@@ -541,17 +472,10 @@ def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out:
             enable_fp_fusion=FP_FUSION, **({"launch_pdl": True} if pdl else {}),
         )
         return
-    tiles = cdiv(n, block_n) * cdiv(m, block_m)
-    serial = partial and lock is not None
-    if serial and (lock.dtype != torch.int32 or lock.numel() < tiles):
-        raise ValueError(f"lock: {tiles} int32 arrival counters needed")
-    _dqmma_kernel[(tiles, split_k)](
+    _dqmma_kernel[(cdiv(n, block_n) * cdiv(m, block_m), split_k)](
         w_desc, x_desc, weight.scale.view(torch.int32), bias if bias is not None else out, out,
-        ws if partial else out, lock if serial else weight.scale.view(torch.int32), m, n, k,
-        out.stride(0), m * n, (k // 32 + 3) // 4, split_k,
+        ws if partial else out, m, n, k, out.stride(0), m * n, (k // 32 + 3) // 4, split_k,
         LAYOUT=LAYOUT_CODE[weight.layout], HAS_BIAS=bias is not None, PARTIAL=partial,
-        STAGES=stages, FAST=fast, PDL=pdl, PREFETCH=prefetch and pdl, SERIAL=serial,
-        RED_CHUNK=red_chunk, RED_EPT=serial_ept(block_n, block_m, stages),
-        num_warps=block_n // 16, enable_fp_fusion=FP_FUSION,
-        **({"launch_pdl": True} if pdl else {}),
+        STAGES=stages, FAST=fast, PDL=pdl, PREFETCH=prefetch and pdl, num_warps=block_n // 16,
+        enable_fp_fusion=FP_FUSION, **({"launch_pdl": True} if pdl else {}),
     )

@@ -451,25 +451,20 @@ def _launch_dqmma(
     cfg: GemmConfig,
 ) -> torch.Tensor:
     """Activations quantized (exactly dequantized bf16), the Gluon dequantizing wgmma kernel,
-    and the split-K reduction (partials in the weight's physical row order), by a second kernel
-    or, with ``cfg.serial_reduce`` (one-chain kernel), by the last program of each tile to
-    arrive (the same bits); with ``cfg.pdl`` the kernels as a chain of programmatic dependent
-    launches (the GEMM's weight tiles and scale words loaded before its wait where
-    ``cfg.prefetch``)."""
+    and the split-K reduction (partials in the weight's physical row order); with ``cfg.pdl``
+    the three as a chain of programmatic dependent launches (the GEMM's weight tiles and scale
+    words loaded before its wait where ``cfg.prefetch``)."""
     from mxfp8_convert.runtime.hopper import dqmma
 
     m, k = x.shape
     xd = quantize_activations(x, pdl=cfg.pdl)["deq"]
     partial = cfg.split_k > 1
-    serial = partial and cfg.serial_reduce and not cfg.specialized
     ws = (torch.empty((cfg.split_k, m, weight.shape[0]), dtype=torch.float32, device=x.device)
           if partial else None)
-    lock = (_tile_locks(out.device, cdiv(weight.shape[0], cfg.block_n) * cdiv(m, cfg.block_m))
-            if serial else None)
     dqmma.dqmma(xd, weight, bias, out, ws, split_k=cfg.split_k, block_n=cfg.block_n,
                 block_m=cfg.block_m, stages=cfg.num_stages, specialized=cfg.specialized,
-                pdl=cfg.pdl, prefetch=cfg.prefetch, lock=lock, red_chunk=cfg.red_chunk)
-    if partial and not serial:
+                pdl=cfg.pdl, prefetch=cfg.prefetch)
+    if partial:
         has_bias = bias is not None
         _reduce_splits(ws, bias if has_bias else out, out, cfg, has_bias, pdl=cfg.pdl,
                        p32=weight.layout == "trtllm")

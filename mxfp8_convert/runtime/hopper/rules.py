@@ -179,9 +179,6 @@ class Tuning:
     # slowed large ones at M <= 64 (DeepSeek o_proj M = 32 54.4 vs 46.0 us, Llama gate_up M = 64
     # 37.6 vs 30.9)
     dqmma_pdl_max_weight: int = 32_000_000
-    # the one-chain dqmma kernel's split-K partials summed by the last program of each tile to
-    # arrive (an arrival counter; no reduction kernel)
-    dqmma_serial: bool = True
     ws_wide_min_k: int = 4096
     ws_wide_min_share: float = 0.75
 
@@ -532,10 +529,8 @@ def dqmma_launch(cfg: GemmConfig, n: int, k: int, facts: DeviceFacts) -> GemmCon
     once; the kernel's first weight tiles and scale words before its wait (unless
     ``weight_prefetch`` is off)."""
     pdl = facts.pdl and n * k < TUNED.dqmma_pdl_max_weight
-    serial = TUNED.dqmma_serial and cfg.split_k > 1 and not cfg.specialized
     return dataclasses.replace(cfg, pdl=pdl, prefetch=pdl and facts.weight_prefetch,
-                               serial_reduce=serial,
-                               red_release=pdl and cfg.split_k > 1 and not serial)
+                               red_release=pdl and cfg.split_k > 1)
 
 
 def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
