@@ -113,6 +113,10 @@ class SourceCheckpoint:
     other_files: tuple[str, ...] = field(default=())
     #: the files of ``formats.QUANT_FILES`` that exist, parsed (any JSON value)
     quant_files: dict = field(default_factory=dict)
+    #: what planning found once for this checkpoint object (``plan.classify``: its quantized
+    #: pairs, its dense architecture); it goes with the checkpoint, so a process that converts
+    #: many models holds only what the checkpoints it still uses need
+    memo: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def path(self, relpath: str) -> Path:
         return self.root / relpath

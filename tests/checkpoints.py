@@ -6,6 +6,7 @@ import hashlib
 import json
 import subprocess
 import tarfile
+from dataclasses import fields
 from io import BytesIO
 from pathlib import Path
 
@@ -15,6 +16,7 @@ from safetensors.torch import save_file
 
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.layouts import p32_unshuffle_rows, trtllm_scale_to_canonical, unswizzle_128x4
+from mxfp8_convert.read import SourceCheckpoint
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -26,6 +28,15 @@ def package_at(commit: str, out: Path) -> Path:
     with tarfile.open(fileobj=BytesIO(tar)) as t:
         t.extractall(out, filter="data")
     return out
+
+
+class Referable(SourceCheckpoint):
+    """A checkpoint a weak reference can point at (``SourceCheckpoint`` has slots, none for
+    weak references): ``Referable.of(ckpt)`` holds the same objects."""
+
+    @classmethod
+    def of(cls, ckpt: SourceCheckpoint) -> Referable:
+        return cls(**{f.name: getattr(ckpt, f.name) for f in fields(ckpt) if f.init})
 
 
 def xxh(path: Path) -> str:

@@ -5,17 +5,23 @@ builds the architecture again."""
 
 from __future__ import annotations
 
+import gc
 import json
 import os
 import subprocess
 import sys
+import weakref
 
 import pytest
 
 import mxfp8_convert.architecture as arch_mod
-from mxfp8_convert.plan import classify
+from mxfp8_convert.backends import BACKENDS
+from mxfp8_convert.formats import detect_source
+from mxfp8_convert.plan import build_plan
+from mxfp8_convert.read import open_checkpoint
 from mxfp8_convert.run import plan_conversion
 from tests import families as fam
+from tests.checkpoints import Referable
 
 pytest.importorskip("transformers")
 
@@ -44,7 +50,8 @@ def builds(monkeypatch):
 
 
 def _plan(src) -> dict:
-    classify._ARCHITECTURES.clear()  # what a new process starts with
+    """A plan of the checkpoint opened anew: as in a new process, nothing of an earlier plan
+    answers but the cache (``SourceCheckpoint.memo`` goes with its checkpoint)."""
     return plan_conversion(src, "canonical", on_ineligible="keep")[1].to_dict()
 
 
@@ -162,6 +169,30 @@ def test_no_cache_reads_and_writes_nothing(tmp_path, builds, monkeypatch, value)
     assert _plan(src) == first and len(builds) == 5 and _entries()[0].read_bytes() == before
 
 
+def test_in_memory_the_decisions_go_with_their_checkpoint(tmp_path, builds, monkeypatch):
+    """Every plan of one checkpoint object asks for its decisions once; once the caller drops
+    the checkpoint, nothing holds them (a built architecture holds the model's modules)."""
+    src = _llama(tmp_path)
+    made = []
+    real = arch_mod.decisions
+
+    def spy(*args):
+        d = real(*args)
+        made.append(weakref.ref(d))
+        return d
+
+    monkeypatch.setattr(arch_mod, "decisions", spy)
+    ckpt = Referable.of(open_checkpoint(src))
+    fmt = detect_source(ckpt.config, ckpt.quant_files, ckpt.tensors)
+    plans = [build_plan(ckpt, BACKENDS[b], fmt, on_ineligible="keep") for b in BACKENDS]
+    assert len(made) == 1 and builds == ["llama"] and made[0]() is not None
+    held = weakref.ref(ckpt)
+    del ckpt
+    gc.collect()
+    assert held() is None and made[0]() is None
+    assert all(p.modules for p in plans)  # the plans are still here
+
+
 def test_the_cache_follows_xdg(tmp_path, monkeypatch):
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "c"))
     assert arch_mod.cache_root() == tmp_path / "c" / "mxfp8-convert"
@@ -187,7 +218,6 @@ def test_the_output_config_is_the_sources_whether_built_or_cached(tmp_path):
     source = json.loads((src / "config.json").read_text())
     outs = []
     for run in ("built", "cached"):
-        classify._ARCHITECTURES.clear()
         convert(src, "canonical", tmp_path / run)
         out = json.loads((tmp_path / run / "config.json").read_text())
         assert out.pop("quantization_config")["quant_method"] == "mxfp8"

@@ -19,7 +19,6 @@ import pytest
 
 import mxfp8_convert.architecture as arch_mod
 from mxfp8_convert import convert
-from mxfp8_convert.plan import classify
 from mxfp8_convert.run import PlanGuess, plan_conversion, plan_guessing
 from tests import families as fam
 from tests.test_architecture_cache import FAMILIES
@@ -112,7 +111,7 @@ def test_no_child_where_the_decisions_answer_at_once(tmp_path, monkeypatch):
 
 
 def _convert(src, out, events=None):
-    classify._ARCHITECTURES.clear()  # what a new process starts with
+    """A conversion of the checkpoint opened anew, as in a new process."""
     return convert(src, "canonical", out, progress=events.append if events is not None else None)
 
 
@@ -146,14 +145,12 @@ def test_a_first_conversion_writes_what_a_cached_one_writes(tmp_path, family, gu
 def test_a_guess_is_made_only_where_the_architecture_would_be_built(tmp_path):
     cfg = fam.llama_config()
     src = fam.write(tmp_path / "src", cfg, fam.llama_dense(cfg))
-    classify._ARCHITECTURES.clear()
     _, plan, guess = plan_guessing(src, "canonical")
     try:
         assert {m.decided_by for m in plan.modules} == {"names"}
         assert guess.final() == plan_conversion(src, "canonical")[1]
     finally:
         guess.close()
-    classify._ARCHITECTURES.clear()
     assert plan_guessing(src, "canonical")[2] is None  # cached now: the plan is final
 
 

@@ -60,21 +60,20 @@ from mxfp8_convert.plan.moe import (
 from mxfp8_convert.plan.shards import DEFAULT_MAX_SHARD_SIZE, pack, shard_names, shard_size_bytes
 from mxfp8_convert.read import SourceCheckpoint
 
-#: the last ``fingerprint``: ``[ckpt, value]``, the checkpoint compared by identity (a plan
-#: records it twice, and ``inspect`` plans every backend)
-_FINGERPRINT: list = []
-
 
 def fingerprint(ckpt: SourceCheckpoint) -> str:
-    """``headers-v1`` fingerprint of the source (docs/FORMAT.md section 5)."""
-    if _FINGERPRINT and _FINGERPRINT[0] is ckpt:
-        return _FINGERPRINT[1]
+    """``headers-v1`` fingerprint of the source (docs/FORMAT.md section 5), computed once per
+    checkpoint object (``ckpt.memo``: a plan records it twice, and ``inspect`` plans every
+    backend)."""
+    known = ckpt.memo.get("fingerprint")
+    if known is not None:
+        return known
     h = hashlib.sha256(ckpt.config_raw)
     for rel in sorted(ckpt.shards):
         sh = ckpt.shards[rel]
         h.update(rel.encode() + b"\0" + str(sh.size).encode() + b"\0" + sh.raw)
-    _FINGERPRINT[:] = [ckpt, "sha256:" + h.hexdigest()]
-    return _FINGERPRINT[1]
+    known = ckpt.memo["fingerprint"] = "sha256:" + h.hexdigest()
+    return known
 
 
 @paused_gc()  # a module plan per linear, no cycles (``_gc``)

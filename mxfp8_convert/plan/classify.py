@@ -96,22 +96,16 @@ def find_modules(
     return [(m, w, s) for m, w, s in pairs if not _matches_any(m, patterns)]
 
 
-#: the last ``_quantized_pairs``: ``[ckpt, scale suffixes, pairs]``, the checkpoint compared by
-#: identity (``inspect`` lists the modules and plans every backend from one search)
-_PAIRS: list = []
-
-
 def _quantized_pairs(
     ckpt: SourceCheckpoint, fmt: FormatSpec
 ) -> list[tuple[str, TensorInfo, TensorInfo]]:
     """``(module, weight, scale)`` of every quantized weight, by module name (``_pairs``), found
-    once for the same checkpoint object and scale names. Callers do not change the list."""
+    once per checkpoint object and scale names (``ckpt.memo``: ``inspect`` lists the modules and
+    plans every backend from one search). Callers do not change the list."""
     suffixes = _scale_suffixes(fmt)
-    memo = _PAIRS
-    if memo and memo[0] is ckpt and memo[1] == suffixes:
-        return memo[2]
-    pairs = _pairs(ckpt, suffixes)
-    memo[:] = [ckpt, suffixes, pairs]
+    pairs = ckpt.memo.get(("pairs", suffixes))
+    if pairs is None:
+        pairs = ckpt.memo["pairs", suffixes] = _pairs(ckpt, suffixes)
     return pairs
 
 
@@ -149,25 +143,24 @@ def _pairs(
     return sorted(out, key=itemgetter(0))
 
 
-_ARCHITECTURES: dict[tuple, object] = {}
-
-
 class Guess:
     """While active (``guessing()``), ``dense_architecture`` does not wait for an architecture
     that is not cached: it starts a child process making its decisions (``pending``, for the
     tensors of ``key``) and answers by the name rules; ``resolve()`` waits for them, and the
-    plans made after it use them."""
+    plans made after it use them (those of the checkpoint asked about, and of one opened again
+    while the guess is still in ``_GUESS``)."""
 
     def __init__(self) -> None:
         self.active, self.key, self.pending, self.rules = True, None, None, None
+        self.memo: dict | None = None  # of the checkpoint whose architecture is pending
+        self.made = None  # the decisions, once resolved
 
     def resolve(self) -> None:
         """Wait for the decisions; from now on ``dense_architecture`` answers with them."""
         self.active = False
         if self.pending is not None:
-            made = self.pending.result()
-            _ARCHITECTURES.clear()
-            _ARCHITECTURES[self.key] = made
+            self.made = self.pending.result()
+            self.memo["architecture"] = self.made
             self.pending = None
 
     def close(self) -> None:
@@ -184,30 +177,35 @@ _GUESS: list[Guess] = []
 
 def dense_architecture(ckpt: SourceCheckpoint):
     """``architecture.decisions(config, weights)`` for the float weights this module asks
-    about, made once per config and tensors (building the architecture imports transformers;
-    the decisions are cached across runs). Under an active ``Guess``, the name rules while the
-    architecture is built in a child process."""
+    about, made once per checkpoint object (``ckpt.memo``; building the architecture imports
+    transformers; the decisions are cached across runs). Under an active ``Guess``, the name
+    rules while the architecture is built in a child process."""
     from mxfp8_convert.architecture import _expert_count, decisions, decisions_later
 
+    made = ckpt.memo.get("architecture")
+    if made is not None:
+        return made
     queries = [(n, tuple(i.shape)) for n, i in sorted(ckpt.tensors.items())
                if i.dtype in FLOAT_DTYPES and (len(i.shape) == 3
                                                or (len(i.shape) == 2 and n.endswith(".weight")))]
     key = (ckpt.config_raw, tuple(queries))
-    guess = _GUESS[-1] if _GUESS and _GUESS[-1].active else None
-    if guess is not None and key not in _ARCHITECTURES:
-        if guess.key != key:
-            guess.close()
-            guess.active, guess.key = True, key
-            guess.pending = decisions_later(ckpt.config, queries)
+    guess = _GUESS[-1] if _GUESS else None
+    if guess is not None and guess.made is not None and guess.key == key:
+        made = guess.made  # the checkpoint opened again once the guess was resolved
+    else:
+        if guess is not None and guess.active:
+            if guess.key != key:
+                guess.close()
+                guess.active, guess.key, guess.memo = True, key, ckpt.memo
+                guess.pending = decisions_later(ckpt.config, queries)
+                if guess.pending is not None:
+                    guess.rules = NameRules("while the architecture is built",
+                                            _expert_count(ckpt.config))
             if guess.pending is not None:
-                guess.rules = NameRules("while the architecture is built",
-                                        _expert_count(ckpt.config))
-        if guess.pending is not None:
-            return guess.rules
-    if key not in _ARCHITECTURES:
-        _ARCHITECTURES.clear()  # one model at a time
-        _ARCHITECTURES[key] = decisions(ckpt.config, queries)
-    return _ARCHITECTURES[key]
+                return guess.rules
+        made = decisions(ckpt.config, queries)
+    ckpt.memo["architecture"] = made
+    return made
 
 
 def _scale_suffixes(fmt: FormatSpec) -> tuple[str, ...]:
@@ -361,19 +359,15 @@ def candidates(
     return _Found(out, list(unq))
 
 
-#: the last ``_classified`` result, for the next plan of the same checkpoint object (``inspect``
-#: plans every backend): ``[ckpt, lossless, key, result]``, the first two compared by identity
-_CLASSIFIED: list = []
-
-
 def _classified(ckpt, fmt, src: BackendSpec | None, lossless: dict[str, bool] | None):
     """The backend-independent part of ``candidates`` for a quantized source: every pair with
     its ``(module, weight, scale, N, K, action, source backend)``, and the weights left as
-    they are. Kept for the same checkpoint object, format and scale facts."""
-    key = (fmt.name, src.name if src is not None else None)
-    memo = _CLASSIFIED
-    if memo and memo[0] is ckpt and memo[1] is lossless and memo[2] == key:
-        return memo[3]
+    they are. Kept for the next plan of the same checkpoint object (``ckpt.memo``: ``inspect``
+    plans every backend), format and scale facts (compared by identity)."""
+    key = ("classified", fmt.name, src.name if src is not None else None)
+    known = ckpt.memo.get(key)
+    if known is not None and known[0] is lossless:
+        return known[1]
     given = lossless
     pairs = _quantized_pairs(ckpt, fmt)
     if fmt.kind in ("block_fp8", "fp8"):
@@ -402,7 +396,7 @@ def _classified(ckpt, fmt, src: BackendSpec | None, lossless: dict[str, bool] | 
             if t is not None
         }
     unq = _left_as_they_are(ckpt, consumed)
-    memo[:] = [ckpt, given, key, (out, unq)]
+    ckpt.memo[key] = (given, (out, unq))
     return out, unq
 
 
