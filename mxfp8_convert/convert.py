@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 from contextlib import contextmanager
 from pathlib import Path
 
+from mxfp8_convert._buffers import SCRATCH
 from mxfp8_convert._lazy import torch, torch_loaded
 from mxfp8_convert._version import __version__
 from mxfp8_convert.backends import BackendSpec, get_backend
@@ -326,8 +327,8 @@ def _module_bytes(plan: ConversionPlan) -> int:
     return max((m.n * m.k * 2 for m in modules if computed(m)), default=0)
 
 
-#: working buffers each helper thread keeps (quantize's scratch: a chunk of 2**20 elements in
-#: float32 three times, in float64 twice, and its e4m3 pairs' int32 indices)
+#: working buffers each helper thread keeps while it converts (``_buffers.Scratch``: a chunk of
+#: 2**20 elements in float32 three times, in float64 twice, and its e4m3 pairs' int32 indices)
 HELPER_SCRATCH_BYTES = 30 << 20
 
 
@@ -393,8 +394,10 @@ class _ShardWriting:
             return shard.name, {"size": rec["size"], "xxh3_128": rec["xxh3_128"]}
 
         if workers <= 1:
-            return dict(one(s) for s in shards)
-        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mxfp8-shard") as pool:
+            with SCRATCH.kept():  # the quantizer's buffers serve every module, then go
+                return dict(one(s) for s in shards)
+        with ThreadPoolExecutor(max_workers=workers, thread_name_prefix="mxfp8-shard",
+                                initializer=SCRATCH.keep) as pool:  # buffers kept, as here
             return dict(pool.map(one, shards))
 
     def _write_shard(self, shard: ShardPlan) -> dict:

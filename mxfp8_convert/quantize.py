@@ -6,6 +6,9 @@ are processed in row chunks, so the extra memory a call needs is a small multipl
 whole tensor; ``chunk_rows=None`` picks chunks of about ``2**20`` elements. A chunk is also the
 unit the error's float64 sums are accumulated over. (Smaller, cache-sized pieces were slower on
 CPU: torch's per-call cost outweighed the cache misses, 3.3 vs 3.0 ns per element at 2**18.)
+On CPU a chunk's working buffers are the calling thread's (``_buffers.Scratch``): they serve
+every chunk of a call and go when it returns, or serve call after call inside
+``reusing_buffers()``; a conversion keeps them for its threads from module to module.
 
 MXFP8 (docs/LAYOUTS.md section 1): ``float8_e4m3fn`` values, one UE8M0 scale byte ``b`` per 1x32
 block along K meaning ``2^(b-127)``; ``b = 255`` is NaN. The quantizer reproduces FlashInfer
@@ -23,13 +26,14 @@ from __future__ import annotations
 
 import math
 import os
-import threading
 from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
+from mxfp8_convert._buffers import SCRATCH as _SCRATCH
 from mxfp8_convert.errors import LayoutError
 
 MX_BLOCK = 32  # elements per UE8M0 scale, along K
@@ -133,29 +137,12 @@ class MXFP8Result:
 # --- small helpers --------------------------------------------------------------------------
 
 
-class _Scratch(threading.local):
-    """One thread's working buffers for a chunk, kept from chunk to chunk and module to module.
-
-    Fresh chunk-sized temporaries (and float64 ones per module) cost a page fault per 4 KiB
-    each time they are first touched; on CPU the quantizer writes its float32 and float64
-    intermediates into these instead (about 30 MiB per thread at the default chunk size, held
-    for the thread's life). Other devices allocate as before.
-    """
-
-    def __init__(self) -> None:
-        self.buffers: dict[tuple[str, torch.dtype], torch.Tensor] = {}
-
-    def get(self, key: str, numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
-        """A flat ``dtype`` buffer of ``numel`` elements (its contents are undefined)."""
-        if device.type != "cpu":
-            return torch.empty(numel, dtype=dtype, device=device)
-        buf = self.buffers.get((key, dtype))
-        if buf is None or buf.numel() < numel:
-            buf = self.buffers[(key, dtype)] = torch.empty(numel, dtype=dtype)
-        return buf[:numel]
-
-
-_SCRATCH = _Scratch()
+def reusing_buffers() -> AbstractContextManager[None]:
+    """A block inside which this thread's working buffers (about 30 MiB on CPU) serve call
+    after call, released at its end: for a caller quantizing many tensors in a row. Outside
+    one, each call releases the buffers it filled as it returns; a conversion holds them for
+    its threads from module to module."""
+    return _SCRATCH.kept()
 
 
 def _empty_output(shape: tuple[int, int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -405,34 +392,35 @@ def _quantize_rows(
         # such ops before its first dot; the C path does not, so it asks torch now, which sets
         # this thread's count the same way (else a fresh thread's dots use every core).
         torch.get_num_threads()
-    for r0, r1 in _row_chunks(n, k, chunk_rows) if n * k else ():
-        if native:
-            d = r = None
-            if measure:
-                d = _SCRATCH.get("diff64", (r1 - r0) * k, torch.float64, device)
-                r = _SCRATCH.get("ref64", (r1 - r0) * k, torch.float64, device)
-            if e4m3 is not None:
-                top = _c_chunk(e4m3[0][r0:r1], q[r0:r1], s[r0:r1], d, r, e4m3[1](r0, r1))
-            else:
-                x = rows(r0, r1) if source is None else source[r0:r1]
-                top = _c_chunk(x, q[r0:r1], s[r0:r1], d, r)
-            if top >= 0 and not measure:
+    with _SCRATCH.kept():  # the buffers serve every chunk (and, where held, every call)
+        for r0, r1 in _row_chunks(n, k, chunk_rows) if n * k else ():
+            if native:
+                d = r = None
+                if measure:
+                    d = _SCRATCH.get("diff64", (r1 - r0) * k, torch.float64, device)
+                    r = _SCRATCH.get("ref64", (r1 - r0) * k, torch.float64, device)
+                if e4m3 is not None:
+                    top = _c_chunk(e4m3[0][r0:r1], q[r0:r1], s[r0:r1], d, r, e4m3[1](r0, r1))
+                else:
+                    x = rows(r0, r1) if source is None else source[r0:r1]
+                    top = _c_chunk(x, q[r0:r1], s[r0:r1], d, r)
+                if top >= 0 and not measure:
+                    continue
+                if 0 <= top <= _F32_EXACT_MAX_CODE:
+                    sums += torch.stack([torch.dot(d, d), torch.dot(r, r)])
+                    continue
+            xf = rows(r0, r1)
+            codes = _quantize_chunk(xf, q[r0:r1], s[r0:r1], name, r0)
+            if not measure:
                 continue
-            if 0 <= top <= _F32_EXACT_MAX_CODE:
-                sums += torch.stack([torch.dot(d, d), torch.dot(r, r)])
+            if int(codes.max()) > _F32_EXACT_MAX_CODE:
+                sums += _error_sums(xf, q[r0:r1], s[r0:r1], name, r0)
                 continue
-        xf = rows(r0, r1)
-        codes = _quantize_chunk(xf, q[r0:r1], s[r0:r1], name, r0)
-        if not measure:
-            continue
-        if int(codes.max()) > _F32_EXACT_MAX_CODE:
-            sums += _error_sums(xf, q[r0:r1], s[r0:r1], name, r0)
-            continue
-        d = _SCRATCH.get("diff64", xf.numel(), torch.float64, device)
-        r = _SCRATCH.get("ref64", xf.numel(), torch.float64, device)
-        d.view(r1 - r0, k).copy_(_residual_f32(xf, q[r0:r1], codes))
-        r.view(r1 - r0, k).copy_(xf if source is None else source[r0:r1])
-        sums += torch.stack([torch.dot(d, d), torch.dot(r, r)])
+            d = _SCRATCH.get("diff64", xf.numel(), torch.float64, device)
+            r = _SCRATCH.get("ref64", xf.numel(), torch.float64, device)
+            d.view(r1 - r0, k).copy_(_residual_f32(xf, q[r0:r1], codes))
+            r.view(r1 - r0, k).copy_(xf if source is None else source[r0:r1])
+            sums += torch.stack([torch.dot(d, d), torch.dot(r, r)])
     return q, s, sums
 
 

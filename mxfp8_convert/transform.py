@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import xxhash
 
-from mxfp8_convert._buffers import BufferPool
+from mxfp8_convert._buffers import SCRATCH, BufferPool
 from mxfp8_convert._lazy import numpy as np
 from mxfp8_convert._lazy import torch
 from mxfp8_convert.backends import BACKENDS, BackendSpec
@@ -277,7 +277,8 @@ class ShardTransform:
         """Hand the helpers the expected modules not yet submitted, up to ``in_flight +
         QUEUED_AHEAD`` not yet taken by this thread."""
         if self._helpers is None:
-            self._helpers = ThreadPoolExecutor(self.in_flight, thread_name_prefix="mxfp8-module")
+            self._helpers = ThreadPoolExecutor(  # each keeps its quantizer buffers to the end
+                self.in_flight, thread_name_prefix="mxfp8-module", initializer=SCRATCH.keep)
         while (self._next < len(self._order)
                and len(self._futures) < self.in_flight + QUEUED_AHEAD):
             nxt = self._order[self._next]

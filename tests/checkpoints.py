@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import hashlib
+import itertools
 import json
 import subprocess
 import tarfile
@@ -14,6 +15,7 @@ import torch
 from safetensors import safe_open
 from safetensors.torch import save_file
 
+from mxfp8_convert._buffers import Scratch
 from mxfp8_convert.backends import BACKENDS
 from mxfp8_convert.layouts import p32_unshuffle_rows, trtllm_scale_to_canonical, unswizzle_128x4
 from mxfp8_convert.read import SourceCheckpoint
@@ -37,6 +39,27 @@ class Referable(SourceCheckpoint):
     @classmethod
     def of(cls, ckpt: SourceCheckpoint) -> Referable:
         return cls(**{f.name: getattr(ckpt, f.name) for f in fields(ckpt) if f.init})
+
+
+def scratch_requests(monkeypatch) -> list[tuple[int, str, int, bool]]:
+    """``(thread, key, numel, allocated)`` for each CPU buffer the quantizer asks its thread's
+    scratch for (``_buffers.Scratch``), appended as asked: ``thread`` numbers a thread's life (a
+    thread's id and name may be reused), ``allocated`` says whether a new buffer was made."""
+    asked: list = []
+    lives = itertools.count()
+    real = Scratch.get
+
+    def spy(self, key, numel, dtype, device):
+        if not hasattr(self, "life"):  # an attribute of this thread's scratch
+            self.life = next(lives)
+        before = self.buffers.get((key, dtype))  # held: a new buffer cannot reuse its id
+        out = real(self, key, numel, dtype, device)
+        if device.type == "cpu":
+            asked.append((self.life, key, numel, self.buffers[(key, dtype)] is not before))
+        return out
+
+    monkeypatch.setattr(Scratch, "get", spy)
+    return asked
 
 
 def xxh(path: Path) -> str:

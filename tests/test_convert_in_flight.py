@@ -15,9 +15,10 @@ from safetensors.torch import load_file, save_file
 
 import mxfp8_convert.transform as transform_mod
 from mxfp8_convert import convert
+from mxfp8_convert._buffers import SCRATCH
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.synth import SynthSpec, write_checkpoint
-from tests.checkpoints import leftovers, tree_hashes
+from tests.checkpoints import leftovers, scratch_requests, tree_hashes
 
 convert_mod = importlib.import_module("mxfp8_convert.convert")  # the package exports convert()
 CANONICAL_MODULE = transform_mod.canonical_module
@@ -149,3 +150,22 @@ def test_helpers_compute_ahead_while_the_tensors_before_the_modules_are_copied(t
     assert tree_hashes(tmp_path / "two") == tree_hashes(tmp_path / "one")
     assert list(parallel.quantization_errors.items()) == list(serial.quantization_errors.items())
     assert _helpers() == []
+
+
+@pytest.mark.parametrize("workers, in_flight", [(1, 1), (1, 3), (2, 1)])
+def test_the_quantizer_buffers_serve_every_module_and_go_with_the_conversion(
+        tmp_path, monkeypatch, workers, in_flight):
+    """Every thread that quantizes (this one, a worker's, a helper) makes each working buffer
+    once, reusing it for the modules after (each module here is one chunk, below 2**20
+    elements), and this thread holds none once the conversion returns."""
+    src = write_checkpoint(tmp_path / "src", SPEC)
+    monkeypatch.setattr(convert_mod, "_in_flight", lambda plan, w, k, m: in_flight)
+    asked = scratch_requests(monkeypatch)
+    convert(src, "canonical", tmp_path / "out", workers=workers)
+    assert SCRATCH.buffers == {}
+    biggest: dict = {}
+    for thread, key, numel, new in asked:  # a buffer is made only for a request bigger than any
+        assert new == (numel > biggest.get((thread, key), 0))  # before on that thread: none is
+        biggest[thread, key] = max(numel, biggest.get((thread, key), 0))  # released between
+    assert max(n for _, _, n, _ in asked) < 1 << 20
+    assert len(asked) > 2 * sum(new for *_, new in asked)  # most modules reused buffers

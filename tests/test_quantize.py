@@ -22,6 +22,7 @@ import os
 import re
 import shutil
 import subprocess
+import threading
 from pathlib import Path
 
 import numpy as np
@@ -30,6 +31,7 @@ import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from mxfp8_convert._buffers import SCRATCH
 from mxfp8_convert.errors import LayoutError
 from mxfp8_convert.quantize import (
     MXFP8Result,
@@ -41,7 +43,9 @@ from mxfp8_convert.quantize import (
     quantization_error,
     quantize_mxfp8,
     quantize_mxfp8_with_error,
+    reusing_buffers,
 )
+from tests.checkpoints import scratch_requests
 
 F32_INV_448 = np.float32(1) / np.float32(448)  # the reference's ``1.f / 448.0f``
 E4M3_NAN_BYTES = (0x7F, 0xFF)
@@ -960,12 +964,13 @@ def test_module_stays_pure():
         "__future__",
         "math",
         "os",  # only os.environ: the MXFP8_CONVERT_NO_C switch (asserted below)
-        "threading",  # per-thread scratch buffers (threading.local), no threads started
         "collections.abc",
+        "contextlib",
         "dataclasses",
         "numpy",  # tensor math too: the e4m3 table lookup
         "torch",
         "mxfp8_convert.errors",
+        "mxfp8_convert._buffers",  # per-thread scratch buffers, no threads started
         "mxfp8_convert._cquant",  # the C accelerator (optional; no disk either)
     }
     assert "open(" not in src and "torch.cuda" not in src
@@ -986,18 +991,19 @@ def test_cuda_matches_cpu():
     assert_error_close(resc.error, res.error)
 
 
-# --- working buffers kept per thread (quantize._Scratch) ------------------------------------
+# --- working buffers per thread (_buffers.Scratch) -------------------------------------------
 
 
 def test_results_do_not_share_the_reused_working_buffers():
-    # each thread's chunk buffers are reused call after call: what a call returned must not
-    # change when the next call (another shape, dtype and chunking) runs in the same thread
+    # inside reusing_buffers() a thread's chunk buffers serve call after call: what a call
+    # returned must not change when the next call (another shape, dtype and chunking) runs
     a = gaussian_blocks(96, 512, seed=61).to(torch.bfloat16)
     b = gaussian_blocks(300, 256, seed=62, lo=-140, hi=120)
-    qa, sa, ea = quantize_mxfp8_with_error(a)
-    kept = (qa.view(torch.uint8).clone(), sa.clone())
-    quantize_mxfp8_with_error(b, chunk_rows=7)
-    quantize_mxfp8(b)
+    with reusing_buffers():
+        qa, sa, ea = quantize_mxfp8_with_error(a)
+        kept = (qa.view(torch.uint8).clone(), sa.clone())
+        quantize_mxfp8_with_error(b, chunk_rows=7)
+        quantize_mxfp8(b)
     assert torch.equal(qa.view(torch.uint8), kept[0]) and torch.equal(sa, kept[1])
     want_q, want_s = ref_quantize(a)  # the numpy recipe, independent of the code under test
     assert np.array_equal(qa.view(torch.uint8).numpy(), want_q) and np.array_equal(sa, want_s)
@@ -1005,6 +1011,57 @@ def test_results_do_not_share_the_reused_working_buffers():
     assert ea.rel_fro == pytest.approx(want_rel, rel=1e-12)
     assert ea.sqnr_db == pytest.approx(want_db, rel=1e-12)
     assert qa.is_contiguous() and sa.is_contiguous()
+
+
+#: the quantizer's public calls that measure their error (so they use the scratch on either
+#: path, the C accelerator's or torch's), on 4 chunks of 64 rows
+MEASURED = {
+    "dense": lambda: quantize_mxfp8_with_error(gaussian_blocks(256, 256, seed=81), chunk_rows=64),
+    "block_fp8": lambda: block_fp8_to_mxfp8(random_e4m3((256, 256), seed=82),
+                                            torch.full((2, 2), 0.3), chunk_rows=64),
+    "fp8": lambda: per_tensor_fp8_to_mxfp8(random_e4m3((256, 256), seed=83), torch.tensor(0.3),
+                                           chunk_rows=64),
+}
+
+
+@pytest.mark.parametrize("call", sorted(MEASURED))
+def test_a_call_leaves_its_thread_no_buffers(monkeypatch, call):
+    """A library caller's thread (its main thread, or one of its own) holds no working buffers
+    once a call returns; inside the call they serve every chunk."""
+    asked = scratch_requests(monkeypatch)
+    left = []
+
+    def on_a_thread():
+        MEASURED[call]()
+        left.append(dict(SCRATCH.buffers))
+
+    t = threading.Thread(target=on_a_thread)
+    t.start()
+    t.join()
+    MEASURED[call]()
+    assert left == [{}] and SCRATCH.buffers == {}
+    for life in {a[0] for a in asked}:  # each thread: a buffer per key, made once for 4 chunks
+        keys = [key for th, key, _, _ in asked if th == life]
+        made = [key for th, key, _, new in asked if th == life and new]
+        assert sorted(made) == sorted(set(keys)) and len(keys) == 4 * len(made)
+    assert len({a[0] for a in asked}) == 2 and asked
+
+
+def test_reusing_buffers_keeps_them_from_call_to_call_then_releases_them(monkeypatch):
+    asked = scratch_requests(monkeypatch)
+    x = gaussian_blocks(256, 256, seed=84)
+    with reusing_buffers():
+        first = quantize_mxfp8_with_error(x, chunk_rows=64)
+        with reusing_buffers():  # nested: the outer block still holds them
+            quantize_mxfp8_with_error(x, chunk_rows=64)
+        assert SCRATCH.buffers
+        again = quantize_mxfp8_with_error(x, chunk_rows=64)
+    assert SCRATCH.buffers == {}
+    keys = {key for _, key, _, _ in asked}
+    assert len(asked) == 3 * 4 * len(keys)  # three calls of four chunks each
+    assert sum(new for *_, new in asked) == len(keys)  # made by the first chunk of the first
+    assert torch.equal(again[0].view(torch.uint8), first[0].view(torch.uint8))
+    assert again[2] == first[2] == quantization_error(x, first[0], first[1], chunk_rows=64)
 
 
 def test_threads_side_by_side_give_the_serial_results():
