@@ -225,6 +225,16 @@ def config_files(config_raw: bytes):
     )
 
 
+def edited(data, base: dict[str, bytes], rel: str) -> bytes:
+    """File ``rel`` of ``base`` edited as its kind allows: the index, the config, or a shard's
+    header."""
+    if rel == INDEX:
+        return data.draw(index_files(base[rel]))
+    if rel == "config.json":
+        return data.draw(config_files(base[rel]))
+    return apply(base[rel], data.draw(header_edits(base[rel])))
+
+
 # --- header parsing ----------------------------------------------------------------------------
 
 
@@ -257,8 +267,7 @@ def test_fuzz_header_random_bytes(tmp_path, data):
 @given(data=st.data())
 def test_fuzz_header_mutations(tmp_path, base, data):
     shard = data.draw(st.sampled_from([SHARD1, SHARD2]))
-    content = apply(base[shard], data.draw(header_edits(base[shard])))
-    read_or_refuse(Path(tempfile.mkdtemp(dir=tmp_path)), shard, content)
+    read_or_refuse(Path(tempfile.mkdtemp(dir=tmp_path)), shard, edited(data, base, shard))
 
 
 # --- index and config --------------------------------------------------------------------------
@@ -270,9 +279,9 @@ def test_fuzz_index_and_config(tmp_path, base, data):
     files = dict(base)
     what = data.draw(st.sampled_from(["index", "config", "hf_quant_config", "all"]))
     if what in ("index", "all"):
-        files[INDEX] = data.draw(index_files(base[INDEX]))
+        files[INDEX] = edited(data, base, INDEX)
     if what in ("config", "all"):
-        files["config.json"] = data.draw(config_files(base["config.json"]))
+        files["config.json"] = edited(data, base, "config.json")
     if what in ("hf_quant_config", "all"):
         files["hf_quant_config.json"] = json.dumps(data.draw(json_values)).encode()
     src = write_files(Path(tempfile.mkdtemp(dir=tmp_path)) / "m", files)
@@ -293,15 +302,10 @@ def test_fuzz_index_and_config(tmp_path, base, data):
 @given(data=st.data())
 def test_fuzz_convert_writes_only_its_output(tmp_path, base, data):
     files = dict(base)
-    edited = st.lists(st.sampled_from([SHARD1, SHARD2, INDEX, "config.json"]), min_size=1,
-                      max_size=2, unique=True)
-    for rel in data.draw(edited):
-        if rel == INDEX:
-            files[rel] = data.draw(index_files(base[rel]))
-        elif rel == "config.json":
-            files[rel] = data.draw(config_files(base[rel]))
-        else:
-            files[rel] = apply(base[rel], data.draw(header_edits(base[rel])))
+    which = st.lists(st.sampled_from([SHARD1, SHARD2, INDEX, "config.json"]), min_size=1,
+                     max_size=2, unique=True)
+    for rel in data.draw(which):
+        files[rel] = edited(data, base, rel)
     work = Path(tempfile.mkdtemp(dir=tmp_path))
     src = write_files(work / "m", files)
     before = tree_state(work)
@@ -330,12 +334,7 @@ def test_fuzz_convert_writes_only_its_output(tmp_path, base, data):
 def test_fuzz_cli_exit_code_and_one_line(tmp_path, base, data, capsys):
     files = dict(base)
     rel = data.draw(st.sampled_from([SHARD1, SHARD2, INDEX, "config.json"]))
-    if rel == INDEX:
-        files[rel] = data.draw(index_files(base[rel]))
-    elif rel == "config.json":
-        files[rel] = data.draw(config_files(base[rel]))
-    else:
-        files[rel] = apply(base[rel], data.draw(header_edits(base[rel])))
+    files[rel] = edited(data, base, rel)
     work = Path(tempfile.mkdtemp(dir=tmp_path))
     src = write_files(work / "m", files)
     dest = work / "out"
