@@ -444,23 +444,16 @@ def _dense_candidates(ckpt, backend: BackendSpec, ignored: set[str], towers: boo
             out += found.modules
             unq += found.unquantized
         elif len(info.shape) == 2:
-            n, k = info.shape
-            out.append(
-                ModulePlan(
-                    module,
-                    n,
-                    k,
-                    info,
-                    None,
-                    "quantize",
-                    backend.weight_layout,
-                    None,
-                    "dense",
-                    None,
-                    decided_by=d.basis,
-                )
-            )
+            out.append(_quantized_dense(module, *info.shape, info, backend, d.basis))
     return _Found(out, unq)
+
+
+def _quantized_dense(module: str, n: int, k: int, weight: TensorInfo, backend: BackendSpec,
+                     basis: str, stacked: StackedSlice | None = None) -> ModulePlan:
+    """Float weight ``weight`` (or, ``stacked``, an expert's columns of it) quantized for
+    ``backend``, found by ``basis`` ("architecture" or "names")."""
+    return ModulePlan(module, n, k, weight, None, "quantize", backend.weight_layout, None,
+                      "dense", None, decided_by=basis, stacked=stacked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -520,20 +513,8 @@ def _stacked_experts(ckpt, name: str, info: TensorInfo, backend: BackendSpec, d)
         return _Found([], [Unquantized(name, info.shape, "stacked_experts", why, d.basis)])
     n = cols // len(projs)
     out = [
-        ModulePlan(
-            f"{block}.{x}.{_STACKED_NAMES[proj]}",
-            n,
-            k,
-            expert_slice(info, x),
-            None,
-            "quantize",
-            backend.weight_layout,
-            None,
-            "dense",
-            None,
-            decided_by=d.basis,
-            stacked=StackedSlice(proj, x, sel, layout.fusable),
-        )
+        _quantized_dense(f"{block}.{x}.{_STACKED_NAMES[proj]}", n, k, expert_slice(info, x),
+                         backend, d.basis, StackedSlice(proj, x, sel, layout.fusable))
         for x in range(e)
         for proj, sel in projs
     ]
