@@ -160,22 +160,17 @@ def test_128x4_flat_size_equals_flashinfer(flashinfer_ref, rows, cols):
     assert tr * tc * tb == size(rows, cols, 8)
 
 
-@pytest.mark.parametrize("rows, cols", [(1, 1), (100, 3), (129, 5), (200, 9)])
-def test_128x4_equals_flashinfer_kernel_index_function(flashinfer, rows, cols):
-    index = kernel_index_function(flashinfer, "compute_sf_index_swizzled_128x4_gpu")
-    off, cp = landing_offsets(swizzle_128x4, rows, cols).tolist(), ceil_to(cols, 4)
+@pytest.mark.parametrize("name, rows, cols", [
+    *(("128x4", r, c) for r, c in [(1, 1), (100, 3), (129, 5), (200, 9)]),
+    *(("8x4", r, c) for r, c in [(1, 1), (3, 5), (17, 6), (64, 9)]),
+])
+def test_equals_flashinfer_kernel_index_function(flashinfer, name, rows, cols):
+    forward = {"128x4": swizzle_128x4, "8x4": swizzle_8x4}[name]
+    index = kernel_index_function(flashinfer, f"compute_sf_index_swizzled_{name}_gpu")
+    off, cp = landing_offsets(forward, rows, cols).tolist(), ceil_to(cols, 4)
     for r in range(rows):
         for c in range(cols):
-            assert off[r][c] == index(r, c, cp), f"128x4 element ({r}, {c})"
-
-
-@pytest.mark.parametrize("rows, cols", [(1, 1), (3, 5), (17, 6), (64, 9)])
-def test_8x4_equals_flashinfer_kernel_index_function(flashinfer, rows, cols):
-    index = kernel_index_function(flashinfer, "compute_sf_index_swizzled_8x4_gpu")
-    off, cp = landing_offsets(swizzle_8x4, rows, cols).tolist(), ceil_to(cols, 4)
-    for r in range(rows):
-        for c in range(cols):
-            assert off[r][c] == index(r, c, cp), f"8x4 element ({r}, {c})"
+            assert off[r][c] == index(r, c, cp), f"{name} element ({r}, {c})"
 
 
 # --- LAYOUTS.md formulas, element by element ------------------------------------------------------
