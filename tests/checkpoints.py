@@ -48,10 +48,11 @@ def scratch_requests(monkeypatch) -> list[tuple[int, str, int, bool]]:
     asked: list = []
     lives = itertools.count()
     real = Scratch.get
+    this_spy = object()  # a thread's life numbered by an earlier spy is numbered again
 
     def spy(self, key, numel, dtype, device):
-        if not hasattr(self, "life"):  # an attribute of this thread's scratch
-            self.life = next(lives)
+        if getattr(self, "spy", None) is not this_spy:  # attributes of this thread's scratch
+            self.spy, self.life = this_spy, next(lives)
         before = self.buffers.get((key, dtype))  # held: a new buffer cannot reuse its id
         out = real(self, key, numel, dtype, device)
         if device.type == "cpu":
