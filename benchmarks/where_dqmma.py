@@ -125,9 +125,9 @@ def _deep_kernel(depth: int, accs: int = 1):
     ACCS = gl.constexpr(accs)
 
     @gluon.jit
-    def ktile(w_desc, x_desc, w_s, x_s, bars, acc, acc1, acc2, acc3, a1, a2, a3, sw_word, i, kt0,
-              n_it, p0, m0, a_l: gl.constexpr, STAGES: gl.constexpr, FAST: gl.constexpr, D: gl.constexpr,
-              A2: gl.constexpr):
+    def ktile(w_desc, x_desc, w_s, x_s, bars, acc, acc1, acc2, acc3, a1, a2, a3, sw_word, i,
+              kt0, n_it, p0, m0, a_l: gl.constexpr, STAGES: gl.constexpr, FAST: gl.constexpr,
+              D: gl.constexpr, A2: gl.constexpr):
         stage = i % STAGES
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
         w_tile = w_s.index(stage)
