@@ -112,3 +112,22 @@ def test_slices_off_the_tile_grid_are_refused():
         common.take_rows(tiles, g, 384, 256)
     assert common.rank_part(128, 2, 1, replicas=2) == (0, 128)  # one KV head shared by 2 ranks
     assert common.rank_part(256, 4, 3, replicas=2) == (128, 128)
+
+
+def test_experts_split_as_an_engines_fused_moe_layer():
+    """A per-expert projection ``...experts.<e>.<leaf>`` splits as vLLM's / SGLang's fused-MoE
+    layer splits it: gate / up (Mixtral w1 / w3) by rows, down (w2) by K; so experts of H=256,
+    I=1024 slice at TP=4 (256 rows / 256 K a rank), where a split both ways would not (K=64)."""
+    p = "model.layers.0.block_sparse_moe.experts.3"
+    gate = common.Module(f"{p}.w1", 1024, 256, "cutlass")
+    up = common.Module(f"{p}.w3", 1024, 256, "cutlass")
+    down = common.Module(f"{p}.w2", 256, 1024, "cutlass")
+    assert [m.split for m in (gate, up, down)] == ["column", "column", "row"]
+    assert common.Module("model.layers.0.mlp.experts.0.down_proj", 256, 1024, "cutlass").split \
+        == "row"
+    assert common.Module("model.layers.0.mlp.w2", 256, 1024, "cutlass").split == "either"
+    assert common.expert_of(f"{p}.w1") == ("model.layers.0.block_sparse_moe.experts", 3)
+    assert common.expert_of("model.layers.0.mlp.down_proj") is None
+    assert common.tp_compat([gate, up, down], 1, "cutlass") == [1, 2, 4, 8]
+    assert common.tp_violation(gate, 16, 1, "cutlass") == (
+        "64 rows per rank, not a multiple of 128; per rank N=64 < 128")

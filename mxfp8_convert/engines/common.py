@@ -62,6 +62,13 @@ SPLITS = {
 #: Parameters an engine fuses from several stored modules, parts in order (the shard ids
 #: vLLM passes: "q"/"k"/"v" for qkv_proj, 0/1 for gate_up_proj).
 FUSED = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+#: How an engine's fused-MoE layer splits one expert's projections (``...experts.<e>.<leaf>``):
+#: gate and up (Mixtral's w1 / w3) by rows into ``w13``, down (w2) by K into ``w2``.
+EXPERT_SPLITS = {"w1": COLUMN, "w3": COLUMN, "w2": ROW,  # Mixtral
+                 "gate_proj": COLUMN, "up_proj": COLUMN, "down_proj": ROW}  # Qwen2/3-MoE, ...
+#: The shard ids an engine's fused-MoE loader passes (vLLM's, SGLang's): -> (parameter, part);
+#: part 0 / 1 are the gate / up rows of ``w13``, ``None`` the whole K of ``w2``.
+EXPERT_SHARDS = {"w1": ("w13", 0), "w3": ("w13", 1), "w2": ("w2", None)}
 
 
 @dataclass(frozen=True, slots=True)
@@ -75,7 +82,19 @@ class Module:
 
     @property
     def split(self) -> str:
+        if expert_of(self.name) is not None:
+            return EXPERT_SPLITS.get(self.name.rpartition(".")[2], EITHER)
         return SPLITS.get(self.name.rpartition(".")[2], EITHER)
+
+
+def expert_of(name: str) -> tuple[str, int] | None:
+    """``(experts prefix, expert index)`` of a per-expert projection ``<prefix>.<e>.<leaf>``
+    whose prefix ends in ``experts`` (``model.layers.0.mlp.experts.3.down_proj``), else ``None``."""
+    head, _, _leaf = name.rpartition(".")
+    prefix, _, index = head.rpartition(".")
+    if index.isdigit() and prefix.rpartition(".")[2] == "experts":
+        return prefix, int(index)
+    return None
 
 
 @dataclass(frozen=True, slots=True)
@@ -549,6 +568,142 @@ class LinearMethod:
         return apply_linear(layer.mxfp8_run, layer.mxfp8_weight, x, bias)
 
 
+def expert_tensors(layout: str, prefix: str, experts: int, hidden: int, inter: int):
+    """The empty per-rank tensors of a fused-MoE layer's experts in ``layout``, final layout.
+
+    ``inter`` is this rank's I of each expert. Returns ``[(name, tensor, grid), ...]``:
+    ``w13_weight`` e4m3 ``[E, 2I, H]`` (each expert's gate rows, then its up rows),
+    ``w2_weight`` ``[E, H, I]`` and their scales beside them (``w13_<scale suffix>``: tiles
+    ``[E, 2I/128, H/128, 512]``, or ``[E, 2I, H/32]`` kept canonical; ``w2_...`` likewise), each
+    expert's slab what :func:`rank_tensors` makes for one linear of those parts.
+
+    Raises:
+        LayoutError: a part is not on whole scale tiles.
+    """
+    from mxfp8_convert._lazy import torch
+
+    out = []
+    for stem, parts, k in (("w13", [inter, inter], hidden), ("w2", [hidden], inter)):
+        for name, t, g in rank_tensors(layout, f"{prefix}.{stem}", parts, k):
+            out.append((f"{stem}_{name}", torch.zeros(experts, *t.shape, dtype=t.dtype), g))
+    return out
+
+
+class ExpertsMethod:
+    """The per-expert MXFP8 projections of one fused-MoE layer (a checkpoint converted for
+    cutlass, or for trtllm with ``--moe keep``), mixed into the engine's MoE method base.
+
+    Each rank holds, per expert, its rows of gate and up (``w13``, column-parallel) and its K of
+    down (``w2``, row-parallel), created in their final layout (:func:`expert_tensors`) and filled
+    by :meth:`load_expert` with the rank's slice of each stored projection on tile boundaries,
+    bytes as stored. After loading, every expert's three projections are wrapped without a copy
+    in the runtime's ``MXFP8Weight`` and run by its ``MXFP8Experts`` (the same code
+    ``load_into`` puts in a transformers model): ``down(bf16(silu(gate(x)) * up(x)))``, the
+    routing weights applied to each expert's output; routing is the engine's.
+
+    The adapter gives :meth:`layer_tp` (the layer's TP rank and size).
+    """
+
+    def __init__(self, config, layout: str, prefix: str):
+        self.config = config
+        self.layout = layout
+        self.prefix = prefix
+        self.loaded: dict[str, set] = {}
+        self.experts = None
+
+    @staticmethod
+    def layer_tp(layer) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def register(self, layer, tensors) -> None:
+        """Register ``tensors`` (:func:`expert_tensors`) on ``layer`` as the engine's parameters,
+        each loaded through :meth:`load_expert` by the engine's fused-MoE loader."""
+        raise NotImplementedError
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype, **extra):
+        tensors = expert_tensors(self.layout, self.prefix, num_experts, hidden_size,
+                                 intermediate_size_per_partition)
+        layer.mxfp8_grids = {name: g for name, _, g in tensors}
+        layer.mxfp8_scale_suffix = tensors[1][0].partition("_")[2]
+        self.register(layer, tensors)
+
+    def load_expert(self, layer, param, loaded: torch.Tensor, name: str, shard_id: str,
+                    expert: int) -> None:
+        """Stored projection ``shard_id`` (w1 gate / w3 up / w2 down) of local expert ``expert``
+        into parameter ``name`` of ``layer``: the rank's rows of gate / up at the part's offset
+        in ``w13``, the rank's K of down."""
+        if shard_id not in EXPERT_SHARDS:
+            raise LayoutError(f"{self.prefix}: unknown expert shard id {shard_id!r}")
+        stem, part = EXPERT_SHARDS[shard_id]
+        g = layer.mxfp8_grids[name]
+        what = f"{self.prefix}.{expert}.{shard_id} ({name})"
+        rank, ranks = self.layer_tp(layer)
+        dest = param.data[expert]
+        if loaded.dim() != dest.dim():
+            raise LayoutError(f"{what}: stored {list(loaded.shape)} is not one expert's "
+                              f"projection (the rank holds {list(dest.shape)})")
+        if part is None:  # down: the rank's K
+            size = dest.shape[1] * g.cols
+            if loaded.shape[1] * g.cols != ranks * size:
+                raise LayoutError(f"{what}: K={loaded.shape[1] * g.cols} stored is not {ranks} "
+                                  f"shares of the K={size} per rank the engine expects")
+            place_rows(dest, g, 0, take_cols(loaded, g, rank * size, size, what), what)
+        else:  # gate / up: the rank's rows, at the part's offset
+            size = dest.shape[0] * g.rows // 2
+            if loaded.shape[0] * g.rows != ranks * size:
+                raise LayoutError(f"{what}: {loaded.shape[0] * g.rows} rows stored are not "
+                                  f"{ranks} shares of the {size} rows per rank the engine "
+                                  "expects")
+            place_rows(dest, g, part * size, take_rows(loaded, g, rank * size, size, what), what)
+        self.loaded.setdefault(name, set()).add((expert, shard_id))
+
+    def check_loaded(self, layer) -> None:
+        """Refuse experts the loads did not fill (a stored projection missing or misnamed).
+
+        Raises:
+            LayoutError: names the first parameter and expert left unfilled.
+        """
+        for name in layer.mxfp8_grids:
+            experts = getattr(layer, name).shape[0]
+            shards = ("w2",) if name.startswith("w2_") else ("w1", "w3")
+            done = self.loaded.get(name, set())
+            missing = [(e, s) for e in range(experts) for s in shards if (e, s) not in done]
+            if missing:
+                e, s = missing[0]
+                raise LayoutError(f"{self.prefix}: {name} of expert {e} ({s}) was not loaded "
+                                  f"from the checkpoint ({len(missing)} parts missing)",
+                                  hint="is the tensor missing or misnamed?")
+
+    def process_weights_after_loading(self, layer) -> None:
+        """No copy, no re-layout: each expert's gate, up and down as the runtime's
+        ``MXFP8Weight`` over views of the loaded parameters, run by ``MXFP8Experts``."""
+        from mxfp8_convert.runtime.experts import MXFP8Experts
+        from mxfp8_convert.runtime.weight import MXFP8Weight
+
+        self.check_loaded(layer)
+        suffix = layer.mxfp8_scale_suffix
+        w13, s13 = layer.w13_weight.data, getattr(layer, f"w13_{suffix}").data
+        w2, s2 = layer.w2_weight.data, getattr(layer, f"w2_{suffix}").data
+        rows = layer.mxfp8_grids[f"w13_{suffix}"].rows
+        inter = w13.shape[1] // 2
+        weights = {}
+        for e in range(w13.shape[0]):
+            for role, (lo, hi) in (("gate", (0, inter)), ("up", (inter, 2 * inter))):
+                weights[(e, role)] = MXFP8Weight(w13[e, lo:hi], s13[e, lo // rows:hi // rows],
+                                                 self.layout, f"{self.prefix}.{e}.{role}")
+            weights[(e, "down")] = MXFP8Weight(w2[e], s2[e], self.layout,
+                                               f"{self.prefix}.{e}.down")
+        engine = engine_for(w13.device, self.layout)
+        self.experts = MXFP8Experts.per_expert(self.prefix, weights, engine=engine)
+
+    def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+        """``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` on this rank's share, in ``x``'s dtype
+        (the engine reduces the ranks' partial sums)."""
+        return self.experts(x, topk_ids, topk_weights)
+
+
 class QuantConfig:
     """``quant_method: "mxfp8_convert"``: a checkpoint written by mxfp8-convert (docs/FORMAT.md);
     mixed into the engine's ``QuantizationConfig``.
@@ -562,6 +717,8 @@ class QuantConfig:
     linear_base: type
     linear_method: type
     unquantized: type
+    experts_base: type | None = None
+    experts_method: type | None = None
     checkpoint: EngineCheckpoint | None = None
     _tp_checked: int | None = None
 
@@ -608,15 +765,43 @@ class QuantConfig:
                               "layouts (or some unquantized)")
         return found.pop()
 
-    def get_quant_method(self, layer, prefix: str):
-        """Our method for a quantized linear layer (the TP size checked once against
-        ``tp_compat``), the engine's unquantized one for a linear layer kept unquantized."""
-        if not isinstance(layer, self.linear_base):
-            return None
+    @staticmethod
+    def experts_refusal(layer) -> str | None:
+        """Why the engine's fused-MoE ``layer`` cannot be served (expert parallelism), or None."""
+        return None
+
+    def experts_layout(self, prefix: str) -> str | None:
+        """The layout of the per-expert projections ``<prefix>.<e>.<leaf>`` of a fused-MoE layer;
+        ``None``: its experts are not quantized."""
+        found = {m.layout for name, m in self.engine_checkpoint().modules.items()
+                 if (expert_of(name) or ("",))[0] == prefix}
+        if len(found) > 1:
+            raise LayoutError(f"{prefix}: its experts are stored in different layouts "
+                              f"({', '.join(sorted(found))})")
+        return found.pop() if found else None
+
+    def _check_tp(self) -> None:
         tp = self.tp_size()
         if self._tp_checked != tp:
             check_tp(self.engine_checkpoint(), tp)
             self._tp_checked = tp
+
+    def get_quant_method(self, layer, prefix: str):
+        """Our method for a quantized linear layer or fused-MoE layer's experts (the TP size
+        checked once against ``tp_compat``), the engine's unquantized one for a linear layer
+        kept unquantized, ``None`` (the engine's own) for anything else."""
+        if self.experts_base is not None and isinstance(layer, self.experts_base):
+            self._check_tp()
+            layout = self.experts_layout(prefix)
+            if layout is None:
+                return None
+            why = self.experts_refusal(layer)
+            if why:
+                raise LayoutError(f"{prefix}: {why}", hint="serve it at tensor parallel only")
+            return self.experts_method(self, layout, prefix, layer)
+        if not isinstance(layer, self.linear_base):
+            return None
+        self._check_tp()
         layout = self.layout_of(prefix)
         if layout is None:
             return self.unquantized()

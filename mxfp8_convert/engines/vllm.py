@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from vllm.model_executor.layers.fused_moe import FusedMoEMethodBase, RoutedExperts
 from vllm.model_executor.layers.linear import (
     LinearBase,
     LinearMethodBase,
@@ -71,6 +72,48 @@ class MXFP8ConvertLinearMethod(common.LinearMethod, LinearMethodBase):
         return _vllm_flashinfer if hasattr(vllm_flashinfer, "mm_mxfp8") else None
 
 
+class MXFP8ConvertExpertsMethod(common.ExpertsMethod, FusedMoEMethodBase):
+    """The per-expert projections of a fused-MoE layer (``common.ExpertsMethod``) as vLLM's MoE
+    method: ``RoutedExperts`` calls :meth:`apply` with the router's ``topk_weights`` and
+    ``topk_ids`` (no modular kernel: vLLM runs the shared experts and the all-reduce itself).
+
+    Its ``load_weights`` maps ``experts.<e>.<gate|up|down>`` to ``w13_...`` / ``w2_...`` with the
+    shard ids w1 / w3 / w2 and calls each parameter's ``weight_loader`` (set here, replacing
+    vLLM's, which would narrow the tiles as weight rows).
+    """
+
+    def __init__(self, config, layout: str, prefix: str, layer):
+        FusedMoEMethodBase.__init__(self, layer.moe_config)
+        common.ExpertsMethod.__init__(self, config, layout, prefix)
+
+    @staticmethod
+    def layer_tp(layer) -> tuple[int, int]:
+        return layer.moe_config.tp_rank, layer.moe_config.tp_size
+
+    def register(self, layer, tensors) -> None:
+        for name, data, _ in tensors:
+            param = torch.nn.Parameter(data, requires_grad=False)
+            param.weight_loader = self._loader(layer, name)
+            layer.register_parameter(name, param)
+
+    def _loader(self, layer, name: str):
+        def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id,
+                          return_success=False):
+            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if local != -1:
+                self.load_expert(layer, param, loaded_weight, name, shard_id, local)
+            return (local != -1) if return_success else None
+
+        return weight_loader
+
+    def get_fused_moe_quant_config(self, layer):
+        return None
+
+    def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        return self.run_experts(x, topk_weights, topk_ids)
+
+
 @register_quantization_config(QUANT_METHOD)
 class MXFP8ConvertConfig(common.QuantConfig, QuantizationConfig):
     """``quant_method: "mxfp8_convert"`` (``common.QuantConfig``) as a vLLM quantization config.
@@ -82,6 +125,8 @@ class MXFP8ConvertConfig(common.QuantConfig, QuantizationConfig):
     linear_base = LinearBase
     linear_method = MXFP8ConvertLinearMethod
     unquantized = UnquantizedLinearMethod
+    experts_base = RoutedExperts
+    experts_method = MXFP8ConvertExpertsMethod
 
     def __init__(self, marker: dict):
         super().__init__()
@@ -100,6 +145,14 @@ class MXFP8ConvertConfig(common.QuantConfig, QuantizationConfig):
         from vllm.distributed import get_tensor_model_parallel_world_size
 
         return get_tensor_model_parallel_world_size()
+
+    @staticmethod
+    def experts_refusal(layer) -> str | None:
+        parallel = layer.moe_config.moe_parallel_config
+        if parallel.use_ep:
+            return (f"expert parallelism (EP size {parallel.ep_size}) is not supported; "
+                    "serve it with tensor parallelism")
+        return None
 
 
 def register() -> None:

@@ -63,7 +63,8 @@ def free_port() -> int:
 @pytest.fixture(scope="session")
 def models(tmp_path_factory) -> dict:
     """Sources and their trtllm / cutlass conversions: ``{(kind, backend): folder}``; one with a
-    module kept canonical (``trtllm-keep``)."""
+    module kept canonical (``trtllm-keep``); a MoE model with per-expert projections (cutlass,
+    and trtllm ``--moe keep``: ``trtllm-moe-keep``, its experts canonical)."""
     root = tmp_path_factory.mktemp("models")
     out = {}
     for kind in ("llama", "qwen2"):
@@ -77,6 +78,11 @@ def models(tmp_path_factory) -> dict:
     # trtllm takes K in multiples of 256: down_proj (K=1152) is kept canonical
     out[("llama_tp1", "trtllm-keep")] = convert(src, "trtllm", root / "llama_tp1-trtllm-keep",
                                                 "--on-ineligible", "keep")
+    src = tiny_models.build("mixtral", root / "mixtral")
+    out[("mixtral", "source")] = src
+    out[("mixtral", "cutlass")] = convert(src, "cutlass", root / "mixtral-cutlass")
+    out[("mixtral", "trtllm-moe-keep")] = convert(src, "trtllm", root / "mixtral-trtllm-moe-keep",
+                                                  "--moe", "keep")
     return out
 
 

@@ -165,3 +165,95 @@ def test_a_stored_part_of_another_size_is_refused(models, vllm_rank):
                                           r"shares of the 256 rows per rank"):
         qkv.weight.weight_loader(qkv.weight, short, "q")
     assert torch.equal(qkv.weight.data.view(torch.uint8), before.view(torch.uint8))
+
+
+class _RoutedExperts(torch.nn.Module):
+    """What the experts method reads of vLLM's ``RoutedExperts`` (rank ``r`` of ``tp``, no EP)."""
+
+    def __init__(self, rank: int, tp: int):
+        super().__init__()
+        from types import SimpleNamespace
+
+        self.moe_config = SimpleNamespace(tp_rank=rank, tp_size=tp)
+
+    @staticmethod
+    def _map_global_expert_id_to_local_expert_id(expert_id: int) -> int:
+        return expert_id
+
+
+def _load_experts(layer, stored: dict, prefix: str, experts: int) -> None:
+    """vLLM's per-expert mapping (``RoutedExperts.build_expert_params_mapping``), applied to the
+    stored tensors as ``RoutedExperts.load_weights`` applies it."""
+    from vllm.model_executor.layers.fused_moe import RoutedExperts
+
+    mapping = RoutedExperts.build_expert_params_mapping("w1", "w2", "w3", experts,
+                                                        routed_experts_prefix="")
+    for qual, t in stored.items():
+        for param_name, weight_name, expert, shard in mapping:
+            if weight_name in qual:
+                name = qual.replace(weight_name, param_name).removeprefix(f"{prefix}.")
+                p = getattr(layer, name)
+                assert p.weight_loader(param=p, loaded_weight=t, weight_name=name, shard_id=shard,
+                                       expert_id=expert, return_success=True)
+
+
+@pytest.mark.parametrize("backend", ["cutlass", "trtllm-moe-keep"])
+@pytest.mark.parametrize("rank", [0, 1])
+def test_expert_parameters_are_the_files_slices(models, vllm_rank, backend, rank):
+    """A fused-MoE layer's per-rank expert parameters (w13: each expert's gate rows then its up
+    rows; w2: its K of down) hold exactly the file's slices, in whole 128x128 tiles (cutlass) or
+    rows / 32-column blocks (canonical), and ``process_weights_after_loading`` copies nothing."""
+    from mxfp8_convert.engines.vllm import MXFP8ConvertExpertsMethod
+
+    folder = models[("mixtral", backend)]
+    stored = load_file(str(folder / "model.safetensors"))
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    mine = {k: v for k, v in stored.items() if k.startswith(f"{prefix}.")}
+    vllm_rank(rank)
+    cfg = _config(folder)
+    layout = cfg.experts_layout(prefix)
+    assert layout == ("cutlass" if backend == "cutlass" else "canonical")
+    layer = _RoutedExperts(rank, TP)
+    method = MXFP8ConvertExpertsMethod(cfg, layout, prefix, layer)
+    method.create_weights(layer, 4, 512, 256 // TP, torch.float32)
+    _load_experts(layer, mine, prefix, 4)
+    sfx = "weight_scale_swizzled" if layout == "cutlass" else "weight_scale_inv"
+    rows = slice(rank * 128, rank * 128 + 128)  # I=256: 128 rows (K) per rank
+    srows = slice(rank, rank + 1) if layout == "cutlass" else rows  # scale rows: tiles or rows
+    scols = slice(rank, rank + 1) if layout == "cutlass" else slice(rank * 4, rank * 4 + 4)
+
+    def w(e, n): return stored[f"{prefix}.{e}.{n}.weight"].view(torch.uint8)
+    def s(e, n): return stored[f"{prefix}.{e}.{n}.{sfx}"]
+    w13, s13 = layer.w13_weight.data.view(torch.uint8), getattr(layer, f"w13_{sfx}").data
+    w2, s2 = layer.w2_weight.data.view(torch.uint8), getattr(layer, f"w2_{sfx}").data
+    for e in range(4):
+        assert torch.equal(w13[e], torch.cat([w(e, "w1")[rows], w(e, "w3")[rows]]))
+        assert torch.equal(s13[e], torch.cat([s(e, "w1")[srows], s(e, "w3")[srows]]))
+        assert torch.equal(w2[e], w(e, "w2")[:, rows])
+        assert torch.equal(s2[e], s(e, "w2")[:, scols])
+    ptrs = [t.data_ptr() for t in (w13, s13, w2, s2)]
+    method.process_weights_after_loading(layer)
+    ex = method.experts
+    assert ex.e0_gate_data.data_ptr() == ptrs[0] and ex.e0_gate_scale.data_ptr() == ptrs[1]
+    assert ex.e3_down_data.data_ptr() == ptrs[2] + 3 * w2[0].numel()
+    assert [t.data_ptr() for t in (w13, s13, w2, s2)] == ptrs
+    assert ex.engine == "reference"
+
+
+def test_an_expert_not_loaded_is_refused(models, vllm_rank):
+    """A stored expert projection missing: one line naming the parameter and the expert."""
+    from mxfp8_convert.engines.vllm import MXFP8ConvertExpertsMethod
+
+    folder = models[("mixtral", "cutlass")]
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    stored = {k: v for k, v in load_file(str(folder / "model.safetensors")).items()
+              if k.startswith(f"{prefix}.") and f"{prefix}.2.w3." not in k}
+    vllm_rank(0, 1)
+    cfg = _config(folder)
+    layer = _RoutedExperts(0, 1)
+    method = MXFP8ConvertExpertsMethod(cfg, "cutlass", prefix, layer)
+    method.create_weights(layer, 4, 512, 256, torch.float32)
+    _load_experts(layer, stored, prefix, 4)
+    with pytest.raises(LayoutError, match=r"experts: w13_weight of expert 2 \(w3\) was not "
+                                          r"loaded from the checkpoint \(1 parts missing\)"):
+        method.process_weights_after_loading(layer)

@@ -53,6 +53,8 @@ CALIBRATION = 2.0 ** -8
 EXAMPLE = str(ROOT / "examples" / "serve_with_vllm.py")
 SERVED = ("llama", "cutlass", 1)  # this one is checked through the OpenAI server instead
 CASES = [(k, b, tp) for k in ("llama", "qwen2") for b in ("trtllm", "cutlass") for tp in (1, 2)]
+#: MoE checkpoints whose experts are stored per expert: vLLM's fused-MoE layer, our method
+MOE_CASES = [("mixtral", b, tp) for b in ("cutlass", "trtllm-moe-keep") for tp in (1, 2)]
 
 
 def _compare(case, got: list[dict], prompts: list[list[int]], oracle) -> None:
@@ -95,7 +97,7 @@ def oracle(models, prompt_ids):
     return get
 
 
-@pytest.mark.parametrize("case", [c for c in CASES if c != SERVED],
+@pytest.mark.parametrize("case", [c for c in CASES if c != SERVED] + MOE_CASES,
                          ids=lambda c: f"{c[0]}-{c[1]}-tp{c[2]}")
 def test_generate_matches_runtime(case, models, prompt_ids, oracle):
     """examples/serve_with_vllm.py: vLLM's greedy tokens and logprobs agree with our runtime."""
@@ -166,13 +168,16 @@ if __name__ == "__main__":
 """
 
 
-def _moe_checkpoint(root) -> object:
-    """A tiny Mixtral (2 experts, H=512, I=128) converted for trtllm: fused MoE blocks."""
+def _moe_checkpoint(root, backend: str = "trtllm") -> object:
+    """A tiny Mixtral (2 experts, H=512, I=128) converted for ``backend`` (trtllm: fused MoE
+    blocks; cutlass: per-expert projections of 128 rows, whole tiles only at TP=1)."""
     import torch
     import transformers
     from conftest import convert
 
     src = root / "moe"
+    if (src / "config.json").exists():
+        return convert(src, backend, root / f"moe-{backend}")
     cfg = transformers.MixtralConfig(vocab_size=384, hidden_size=512, intermediate_size=128,
                                      num_hidden_layers=1, num_attention_heads=4,
                                      num_key_value_heads=1, head_dim=128, num_local_experts=2,
@@ -181,7 +186,7 @@ def _moe_checkpoint(root) -> object:
     transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (src / f).write_bytes((root / "llama" / f).read_bytes())
-    return convert(src, "trtllm", root / "moe-trtllm")
+    return convert(src, backend, root / f"moe-{backend}")
 
 
 def test_start_up_refusals_are_one_line(models, tmp_path):
@@ -230,3 +235,42 @@ def test_tp_outside_tp_compat_is_refused(models):
     hits = [ln for ln in (proc.stdout + proc.stderr).splitlines() if want in ln]
     assert hits, proc.stderr[-4000:]
     report(f"refused at TP=2: {hits[0].split('LayoutError: ')[-1]}")
+
+
+def test_moe_tp_outside_tp_compat_is_refused(models):
+    """Experts of I=128 (cutlass) slice on tiles at TP=1 only: TP=2 is refused naming the first
+    expert projection that does not."""
+    folder = _moe_checkpoint(models[("llama", "source")].parent, "cutlass")
+    marker = json.loads((folder / "config.json").read_text())["quantization_config"]
+    assert marker["moe"] is None and marker["tp_compat"] == [1]
+    proc = run_engine([EXAMPLE, str(folder), "--tp", "2", "--json", "--max-tokens", "1",
+                       "--enforce-eager"])
+    assert proc.returncode != 0
+    want = ("tensor parallel 2 is not in this checkpoint's tp_compat [1]: "
+            "model.layers.0.block_sparse_moe.experts.0.w1 [128, 512] (column-parallel, cutlass) "
+            "at tensor parallel 2: 64 rows per rank, not a multiple of 128")
+    hits = [ln for ln in (proc.stdout + proc.stderr).splitlines() if want in ln]
+    assert hits, proc.stderr[-4000:]
+    report(f"refused at TP=2: {hits[0].split('LayoutError: ')[-1]}")
+
+
+EP = """
+import sys
+from vllm import LLM
+if __name__ == "__main__":
+    LLM(model=sys.argv[1], max_model_len=256, enforce_eager=True, tensor_parallel_size=2,
+        enable_expert_parallel=True)
+"""
+
+
+def test_expert_parallel_is_refused(models, tmp_path):
+    """Expert parallelism: refused at start-up in one line naming the MoE layer."""
+    script = tmp_path / "ep.py"
+    script.write_text(EP)
+    proc = run_engine([str(script), str(models[("mixtral", "cutlass")])])
+    assert proc.returncode != 0
+    want = ("model.layers.0.block_sparse_moe.experts: expert parallelism (EP size 2) is not "
+            "supported; serve it with tensor parallelism")
+    hits = [ln for ln in (proc.stdout + proc.stderr).splitlines() if want in ln]
+    assert hits, proc.stderr[-4000:]
+    report(f"refused with EP: {hits[0].split('LayoutError: ')[-1]}")

@@ -6,7 +6,9 @@ at TP=1 and TP=2 (rows and K multiples of 128 per rank, K of 256 for trtllm), wi
 
 - ``llama``: GQA, 4 query heads, 1 KV head (replicated on both ranks at TP=2);
 - ``qwen2``: q/k/v biases, 4 query heads, 2 KV heads (one per rank at TP=2);
-- ``llama_tp1``: as ``llama`` with an MLP of 1152 (9 tiles): slices only at TP=1.
+- ``llama_tp1``: as ``llama`` with an MLP of 1152 (9 tiles): slices only at TP=1;
+- ``mixtral``: as ``llama`` with a MoE block of 4 experts (top 2, I=256: 128 rows / K per rank
+  at TP=2) instead of the MLP.
 """
 
 from __future__ import annotations
@@ -35,6 +37,9 @@ MODELS = {  # kind: (config class, model class, keys)
               dict(num_key_value_heads=2, intermediate_size=1024)),
     "llama_tp1": ("LlamaConfig", "LlamaForCausalLM",
                   dict(num_key_value_heads=1, intermediate_size=1152)),
+    "mixtral": ("MixtralConfig", "MixtralForCausalLM",
+                dict(num_key_value_heads=1, intermediate_size=256, num_local_experts=4,
+                     num_experts_per_tok=2)),
 }
 
 
