@@ -17,7 +17,9 @@ Engine-independent; ``engines/vllm.py`` and ``engines/sglang.py`` add only their
 - :class:`RankParameter`, :class:`LinearMethod`, :class:`QuantConfig`: the plug-in classes,
   mixed into each engine's own base classes (``BasevLLMParameter``, ``LinearMethodBase``,
   ``QuantizationConfig``, which vLLM and SGLang name alike): a rank's parameters, their
-  loading, the wrap after loading, ``apply`` and the per-module choice of method.
+  loading, the wrap after loading, ``apply`` and the per-module choice of method;
+- :class:`ExpertsMethod` / :func:`expert_tensors`: the same for the per-expert projections of a
+  fused-MoE layer (an engine's ``w13`` / ``w2`` parameters, the shard ids w1 / w3 / w2).
 
 This module imports no torch at import time (the converter uses :func:`tp_compat`).
 """

@@ -11,10 +11,17 @@ copy, in the runtime's ``MXFP8Weight``. All of that is ``engines/common.py``'s
 file states only vLLM's API: its base classes and registration decorators, its TP size, its
 FlashInfer route, and that vLLM hands over the marker first and the model folder after.
 
+MoE checkpoints whose experts are stored per expert (cutlass, trtllm ``--moe keep``) are served
+through vLLM's fused-MoE layer (``RoutedExperts``) by :class:`MXFP8ConvertExpertsMethod`
+(``common.ExpertsMethod``): each rank's ``w13`` (every expert's gate rows, then its up rows) and
+``w2`` (its K of down) in their final layout, the same loading by tiles, and the runtime's
+``MXFP8Experts`` on views of them; vLLM routes, runs the shared experts and all-reduces.
+
 Where it runs: the marker's backend through FlashInfer ``mm_mxfp8`` on the SM100 family (vLLM's
 own ``vllm::mm_mxfp8`` op), our Triton kernels on Hopper, the exact reference on CPU; chosen once
 per layer. Refused at start-up, one line each: a folder without the completion marker, an
-unknown ``format_version``, fused MoE blocks, a tensor-parallel size outside ``tp_compat``.
+unknown ``format_version``, fused MoE blocks, a tensor-parallel size outside ``tp_compat``,
+expert parallelism.
 """
 
 from __future__ import annotations

@@ -64,7 +64,8 @@ def free_port() -> int:
 def models(tmp_path_factory) -> dict:
     """Sources and their trtllm / cutlass conversions: ``{(kind, backend): folder}``; one with a
     module kept canonical (``trtllm-keep``); a MoE model with per-expert projections (cutlass,
-    and trtllm ``--moe keep``: ``trtllm-moe-keep``, its experts canonical)."""
+    and trtllm ``--moe keep``: ``trtllm-moe-keep``, its experts canonical; Qwen2-MoE, with a
+    shared expert, cutlass)."""
     root = tmp_path_factory.mktemp("models")
     out = {}
     for kind in ("llama", "qwen2"):
@@ -83,6 +84,9 @@ def models(tmp_path_factory) -> dict:
     out[("mixtral", "cutlass")] = convert(src, "cutlass", root / "mixtral-cutlass")
     out[("mixtral", "trtllm-moe-keep")] = convert(src, "trtllm", root / "mixtral-trtllm-moe-keep",
                                                   "--moe", "keep")
+    src = tiny_models.build("qwen2_moe", root / "qwen2_moe")
+    out[("qwen2_moe", "source")] = src
+    out[("qwen2_moe", "cutlass")] = convert(src, "cutlass", root / "qwen2_moe-cutlass")
     return out
 
 
@@ -109,7 +113,33 @@ def _greedy(model, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     return results
 
 
-def runtime_model(folder: Path, source: Path, noise: float = 0.0, seed: int = 0):
+def _split_experts(experts, tp: int):
+    """``experts`` (the runtime's ``MXFP8Experts``) run as ``tp`` tensor-parallel ranks would:
+    each rank the rows ``[r*I/tp, (r+1)*I/tp)`` of every gate and up and those K of every down
+    (plain indexing of the canonical bytes), its output rounded to bf16, the ranks summed in
+    float32 (the all-reduce)."""
+    from mxfp8_convert.runtime.experts import EXPERT_ROLES, MXFP8Experts
+    from mxfp8_convert.runtime.weight import MXFP8Weight
+
+    step = experts.intermediate // tp
+    ranks = []
+    for r in range(tp):
+        rows, blocks = slice(r * step, (r + 1) * step), slice(r * step // 32, (r + 1) * step // 32)
+        weights = {}
+        for e in range(experts.num_experts):
+            for role in EXPERT_ROLES:
+                q, code = experts._weight(e, role).canonical()
+                q, code = (q[:, rows], code[:, blocks]) if role == "down" else (q[rows], code[rows])
+                weights[(e, role)] = MXFP8Weight(q.contiguous(), code.contiguous(), "canonical")
+        ranks.append(MXFP8Experts.per_expert(experts.name, weights, engine="reference"))
+
+    def forward(x, ids, w):
+        return sum(rank(x, ids, w).float() for rank in ranks).to(x.dtype)
+
+    experts.forward = forward
+
+
+def runtime_model(folder: Path, source: Path, noise: float = 0.0, seed: int = 0, tp: int = 1):
     """Our runtime on the same converted checkpoint: ``load_into`` a transformers model of the
     source's config, reference engine, float32 activations (each MXFP8 linear's output is the
     bf16 the engines produce, widened exactly to float32, as the plug-in does). ``noise``: a
@@ -132,9 +162,13 @@ def runtime_model(folder: Path, source: Path, noise: float = 0.0, seed: int = 0)
             out = out * (1 + (torch.rand(out.shape, generator=gen) - 0.5) * noise)
         return out
 
+    from mxfp8_convert.runtime.experts import MXFP8Experts
+
     for mod in model.modules():
         if isinstance(mod, MXFP8Linear):
             mod.register_forward_hook(widen)
+        if isinstance(mod, MXFP8Experts) and tp > 1:
+            _split_experts(mod, tp)
     return model.eval()
 
 

@@ -8,7 +8,9 @@ at TP=1 and TP=2 (rows and K multiples of 128 per rank, K of 256 for trtllm), wi
 - ``qwen2``: q/k/v biases, 4 query heads, 2 KV heads (one per rank at TP=2);
 - ``llama_tp1``: as ``llama`` with an MLP of 1152 (9 tiles): slices only at TP=1;
 - ``mixtral``: as ``llama`` with a MoE block of 4 experts (top 2, I=256: 128 rows / K per rank
-  at TP=2) instead of the MLP.
+  at TP=2) instead of the MLP;
+- ``qwen2_moe``: as ``qwen2`` with a MoE block of 4 experts (top 2, I=256) and a shared expert
+  (I=256) behind its sigmoid gate.
 """
 
 from __future__ import annotations
@@ -40,6 +42,10 @@ MODELS = {  # kind: (config class, model class, keys)
     "mixtral": ("MixtralConfig", "MixtralForCausalLM",
                 dict(num_key_value_heads=1, intermediate_size=256, num_local_experts=4,
                      num_experts_per_tok=2)),
+    "qwen2_moe": ("Qwen2MoeConfig", "Qwen2MoeForCausalLM",
+                  dict(num_key_value_heads=2, intermediate_size=256, moe_intermediate_size=256,
+                       shared_expert_intermediate_size=256, num_experts=4,
+                       num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=False)),
 }
 
 
