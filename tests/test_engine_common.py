@@ -131,3 +131,51 @@ def test_experts_split_as_an_engines_fused_moe_layer():
     assert common.tp_compat([gate, up, down], 1, "cutlass") == [1, 2, 4, 8]
     assert common.tp_violation(gate, 16, 1, "cutlass") == (
         "64 rows per rank, not a multiple of 128; per rank N=64 < 128")
+
+
+class _Linear:
+    """A stand-in for an engine's linear base class."""
+
+
+class _Experts:
+    """A stand-in for an engine's fused-MoE layer class."""
+
+
+def _quant_config(ckpt, experts: bool):
+    """``common.QuantConfig`` as an engine adapter mixes it, without the engine: TP=1, the
+    experts method given or not (SGLang's adapter has none yet)."""
+    class Config(common.QuantConfig):
+        linear_base, linear_method, unquantized = _Linear, common.LinearMethod, object
+        experts_base = _Experts if experts else None
+        experts_method = type("Experts", (), {"__init__": lambda self, *a: None}) if experts \
+            else None
+
+        @staticmethod
+        def tp_size() -> int:
+            return 1
+
+    cfg = Config()
+    cfg.checkpoint = ckpt
+    return cfg
+
+
+def test_an_engine_without_an_experts_method_refuses_per_expert_moe(tmp_path):
+    """A MoE checkpoint with per-expert projections (cutlass): a plug-in without an experts
+    method refuses it at its first layer in one line naming the experts; with one, the same
+    layer gets its linear method; a dense checkpoint loads either way."""
+    spec = SynthSpec(layers=1, hidden=256, intermediate=512, heads=2, kv_heads=2, vocab=256,
+                     shards=1, experts=2, moe_intermediate=256)
+    out = convert(write_checkpoint(tmp_path / "moe", spec), "cutlass", tmp_path / "moe-c").output
+    dense = convert(write_checkpoint(tmp_path / "dense", SPEC), "cutlass", tmp_path / "d").output
+    ckpt = common.read_checkpoint(out)
+    assert any(common.expert_of(m) for m in ckpt.modules)
+    q = "model.layers.0.self_attn.q_proj"
+    with pytest.raises(common.FormatError) as e:
+        _quant_config(ckpt, experts=False).get_quant_method(_Linear(), q)
+    assert str(e.value) == (f"{out}: per-expert MoE projections (model.layers.0.mlp.experts, "
+                            "...) are not served by this engine's mxfp8_convert plug-in yet")
+    assert isinstance(_quant_config(ckpt, experts=True).get_quant_method(_Linear(), q),
+                      common.LinearMethod)
+    dense_ckpt = common.read_checkpoint(dense)
+    assert isinstance(_quant_config(dense_ckpt, experts=False).get_quant_method(_Linear(), q),
+                      common.LinearMethod)

@@ -783,9 +783,17 @@ class QuantConfig:
         return found.pop() if found else None
 
     def _check_tp(self) -> None:
+        """Once per TP size: the checkpoint's ``tp_compat``, and that this engine's plug-in can
+        run its experts (per-expert projections need :attr:`experts_method`)."""
         tp = self.tp_size()
         if self._tp_checked != tp:
-            check_tp(self.engine_checkpoint(), tp)
+            ckpt = self.engine_checkpoint()
+            check_tp(ckpt, tp)
+            first = next((e[0] for e in map(expert_of, ckpt.modules) if e), None)
+            if self.experts_method is None and first is not None:
+                raise FormatError(f"{ckpt.path}: per-expert MoE projections ({first}, ...) are "
+                                  f"not served by this engine's mxfp8_convert plug-in yet",
+                                  hint="serve it with vLLM or mxfp8_convert.runtime")
             self._tp_checked = tp
 
     def get_quant_method(self, layer, prefix: str):
