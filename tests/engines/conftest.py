@@ -113,6 +113,21 @@ def _greedy(model, prompts: list[list[int]], max_tokens: int) -> list[dict]:
     return results
 
 
+ROW_PARALLEL = ("o_proj", "down_proj")
+
+
+def _k_ranks(weight, tp: int) -> list:
+    """``weight`` (an ``MXFP8Weight``) as ``tp`` row-parallel ranks hold it: rank r the K columns
+    ``[r*K/tp, (r+1)*K/tp)`` of its canonical bytes (plain indexing; K/tp a multiple of 32)."""
+    from mxfp8_convert.runtime.weight import MXFP8Weight
+
+    q, code = weight.canonical()
+    step = q.shape[1] // tp
+    return [MXFP8Weight(q[:, r * step:(r + 1) * step].contiguous(),
+                        code[:, r * step // 32:(r + 1) * step // 32].contiguous(), "canonical")
+            for r in range(tp)]
+
+
 def _split_experts(experts, tp: int):
     """``experts`` (the runtime's ``MXFP8Experts``) run as ``tp`` tensor-parallel ranks would:
     each rank the rows ``[r*I/tp, (r+1)*I/tp)`` of every gate and up and those K of every down
@@ -122,21 +137,43 @@ def _split_experts(experts, tp: int):
     from mxfp8_convert.runtime.weight import MXFP8Weight
 
     step = experts.intermediate // tp
-    ranks = []
-    for r in range(tp):
-        rows, blocks = slice(r * step, (r + 1) * step), slice(r * step // 32, (r + 1) * step // 32)
-        weights = {}
-        for e in range(experts.num_experts):
-            for role in EXPERT_ROLES:
-                q, code = experts._weight(e, role).canonical()
-                q, code = (q[:, rows], code[:, blocks]) if role == "down" else (q[rows], code[rows])
-                weights[(e, role)] = MXFP8Weight(q.contiguous(), code.contiguous(), "canonical")
-        ranks.append(MXFP8Experts.per_expert(experts.name, weights, engine="reference"))
+    ranks = [{} for _ in range(tp)]
+    for e in range(experts.num_experts):
+        for role in EXPERT_ROLES:
+            w = experts._weight(e, role)
+            if role == "down":
+                parts = _k_ranks(w, tp)
+            else:
+                q, code = w.canonical()
+                parts = [MXFP8Weight(q[r * step:(r + 1) * step].contiguous(),
+                                     code[r * step:(r + 1) * step].contiguous(), "canonical")
+                         for r in range(tp)]
+            for r, part in enumerate(parts):
+                ranks[r][(e, role)] = part
+    ranks = [MXFP8Experts.per_expert(experts.name, w, engine="reference") for w in ranks]
 
     def forward(x, ids, w):
         return sum(rank(x, ids, w).float() for rank in ranks).to(x.dtype)
 
     experts.forward = forward
+
+
+def _split_linear(linear, tp: int):
+    """A row-parallel ``MXFP8Linear`` run as ``tp`` ranks would (vLLM's RowParallelLinear): rank
+    r the K columns of :func:`_k_ranks`, its output rounded to bf16, the ranks summed in float32
+    (the all-reduce); the bias, if any, added by rank 0 only (``bias_`` there)."""
+    from mxfp8_convert.runtime.linear import mxfp8_linear
+
+    parts = _k_ranks(linear.mx_weight, tp)
+    step = linear.in_features // tp
+
+    def forward(x):
+        bias = None if linear.bias is None else linear.bias.to(x.device)
+        return sum(mxfp8_linear(x[..., r * step:(r + 1) * step], w, bias if r == 0 else None,
+                                engine=linear.engine).to(torch.bfloat16).float()
+                   for r, w in enumerate(parts))
+
+    linear.forward = forward
 
 
 def runtime_model(folder: Path, source: Path, noise: float = 0.0, seed: int = 0, tp: int = 1):
@@ -164,8 +201,10 @@ def runtime_model(folder: Path, source: Path, noise: float = 0.0, seed: int = 0,
 
     from mxfp8_convert.runtime.experts import MXFP8Experts
 
-    for mod in model.modules():
+    for name, mod in model.named_modules():
         if isinstance(mod, MXFP8Linear):
+            if tp > 1 and name.rsplit(".", 1)[-1] in ROW_PARALLEL:
+                _split_linear(mod, tp)
             mod.register_forward_hook(widen)
         if isinstance(mod, MXFP8Experts) and tp > 1:
             _split_experts(mod, tp)

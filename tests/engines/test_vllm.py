@@ -93,7 +93,7 @@ def _compare(case, got: list[dict], prompts: list[list[int]], oracle) -> None:
 @pytest.fixture(scope="session")
 def oracle(models, prompt_ids):
     """(our runtime, the same perturbed, the source's free-running greedy) per (kind, backend,
-    tp); ``tp`` > 1 splits the MoE experts over emulated ranks (MOE_CASES)."""
+    tp); ``tp`` > 1 splits the row-parallel linears and MoE experts over emulated ranks."""
     cache: dict = {}
 
     def get(kind: str, backend: str, tp: int = 1):
@@ -118,7 +118,7 @@ def test_generate_matches_runtime(case, models, prompt_ids, oracle):
                        "--prompt-ids", json.dumps(prompt_ids)])
     got = engine_results(proc)
     assert [r["prompt_token_ids"] for r in got] == prompt_ids
-    _compare(case, got, prompt_ids, oracle(kind, backend, tp if case in MOE_CASES else 1))
+    _compare(case, got, prompt_ids, oracle(kind, backend, tp))
 
 
 def _post(url: str, body: dict, timeout: float = 120) -> dict:
