@@ -16,11 +16,13 @@ perturbed by 2^-23 relative, and by up to 1.0 (0.17) at 2^-8, the size of TP=2's
   that the arithmetic above decides either way); the count of exact argmax picks is reported;
 - logprobs of the picked tokens: within LOGPROB_TOL of the oracle's.
 
-MoE models at TP=2 (MOE_CASES): each rank rounds its experts' partial sum to bf16, and a tiny
-random MoE sits near ties often enough for that to move a token beyond TIE_TOL (measured: a gap
-of 0.35 at one token, 0.15 once the oracle rounds as two ranks do). So there the oracle runs the
-experts as the ranks do (conftest ``_split_experts``: each rank's rows / K of every expert by
-plain indexing of the canonical bytes, each rank's output bf16, the ranks summed); everything
+Every TP=2 case: each rank rounds its partial sum of a row-parallel module (o_proj, down_proj,
+the MoE experts' down) to bf16, and a tiny random model sits near ties often enough for that to
+move a token beyond TIE_TOL (measured: a MoE gap of 0.35 at one token, 0.15 once the oracle
+rounds as two ranks do; a dense llama/trtllm gap of 0.295). So at TP=2 the oracle runs those
+modules as the ranks do (conftest ``_split_linear`` and ``_split_experts``: each rank's K columns
+of every row-parallel weight, rows of every expert's gate/up, by plain indexing of the canonical
+bytes, each rank's output bf16, the ranks summed in float32, a bias on rank 0 only); everything
 else, and the tolerances, as above.
 
 A wrong slice, tile, head or part offset moves logprobs by whole units and picks tokens far
