@@ -1,21 +1,25 @@
 """Where the dequantizing wgmma kernel's time goes at serving batches (H200, issue 26).
 
     python3 benchmarks/where_dqmma.py [--ms 64,128] [--shapes a,b] [--out DIR]
+        [--children nox,now] [--no-tiles]
 
-Three measurements in one run, trtllm layout, the 19 model shapes:
+In one run, trtllm layout, the 19 model shapes:
 
 1. ``l2``: the L2 -> SM read rate of the chip (a Triton kernel summing an L2-resident buffer
    over every SM, 8 to 48 MB) and its HBM copy rate, the two ceilings the kernel meets;
-2. ``rows``: bf16 ``F.linear``, the serving rule's config and the one-chain kernel with 128 and
-   256 weight rows a program (two and four warpgroups sharing each activation box), each with
-   the bytes it moves through L2 (the weight once, the activations once per weight-row tile, the
-   split-K partials written and read) over its time;
-3. ``diag`` (a child process each, so that Triton compiles the patched kernel): the rule's
-   one-chain configs with the activations' TMA loads left out (``nox``: the MMAs read what the
-   ring holds) or the weight's (``now``). The time a variant saves is what that traffic costs.
+2. ``rows``: bf16 ``F.linear``, the serving rule's config and (unless ``--no-tiles``) the
+   one-chain kernel with 128 and 256 weight rows a program (two and four warpgroups sharing each
+   activation box), each with the bytes it moves through L2 (the weight once, the activations
+   once per weight-row tile, the split-K partials written and read) over its time;
+3. ``--children`` (a child process each, so that Triton compiles the patched kernel): the rule's
+   one-chain configs with one helper of ``dqmma.py`` replaced (:func:`patch`): ``nox`` / ``now``
+   the activations' / the weight's TMA loads left out (the MMAs read what the ring holds);
+   ``cvt1`` the conversion cut to one ``prmt`` a pair, ``nolds`` no fragment load and no
+   conversion; ``d2`` / ``d3`` two / three wgmma groups in flight; ``acc2``, ``acc2d2``,
+   ``acc4d3`` the 32-blocks into two or four accumulators in turn (and that depth).
 
-Variants that skip loads compute garbage and are only timed; the others are checked against
-the float64 reference. Writes ``where_dqmma.json`` under ``--out``.
+Variants that skip loads or the conversion compute garbage and are only timed; the others are
+checked against the float64 reference. Writes ``where_dqmma.json`` under ``--out``.
 """
 
 from __future__ import annotations
