@@ -233,6 +233,15 @@ def test_start_up_refusals_are_one_line(models, tmp_path):
         report(f"refused: {line}")
 
 
+def _refusal(proc, want: str) -> str:
+    """The engine start failed and a line of its output (the workers log to stdout) holds the
+    one-line refusal ``want``; returns that line from the error's message on."""
+    assert proc.returncode != 0
+    hits = [ln for ln in (proc.stdout + proc.stderr).splitlines() if want in ln]
+    assert hits, proc.stderr[-4000:]
+    return hits[0].split("LayoutError: ")[-1]
+
+
 def test_tp_outside_tp_compat_is_refused(models):
     """An MLP of 9 tiles slices at TP=1 only: TP=2 is refused naming the first module."""
     folder = models[("llama_tp1", "cutlass")]
@@ -240,14 +249,10 @@ def test_tp_outside_tp_compat_is_refused(models):
     assert marker["tp_compat"] == [1]
     proc = run_engine([EXAMPLE, str(folder), "--tp", "2", "--json", "--max-tokens", "1",
                        "--enforce-eager"])
-    assert proc.returncode != 0
     want = ("tensor parallel 2 is not in this checkpoint's tp_compat [1]: "
             "model.layers.0.mlp.down_proj [512, 1152] (row-parallel, cutlass) "
             "at tensor parallel 2: K=576 per rank, not a multiple of 128")
-    # the workers log to stdout
-    hits = [ln for ln in (proc.stdout + proc.stderr).splitlines() if want in ln]
-    assert hits, proc.stderr[-4000:]
-    report(f"refused at TP=2: {hits[0].split('LayoutError: ')[-1]}")
+    report(f"refused at TP=2: {_refusal(proc, want)}")
 
 
 def test_moe_tp_outside_tp_compat_is_refused(models):
@@ -258,13 +263,10 @@ def test_moe_tp_outside_tp_compat_is_refused(models):
     assert marker["moe"] is None and marker["tp_compat"] == [1]
     proc = run_engine([EXAMPLE, str(folder), "--tp", "2", "--json", "--max-tokens", "1",
                        "--enforce-eager"])
-    assert proc.returncode != 0
     want = ("tensor parallel 2 is not in this checkpoint's tp_compat [1]: "
             "model.layers.0.block_sparse_moe.experts.0.w1 [128, 512] (column-parallel, cutlass) "
             "at tensor parallel 2: 64 rows per rank, not a multiple of 128")
-    hits = [ln for ln in (proc.stdout + proc.stderr).splitlines() if want in ln]
-    assert hits, proc.stderr[-4000:]
-    report(f"refused at TP=2: {hits[0].split('LayoutError: ')[-1]}")
+    report(f"refused at TP=2: {_refusal(proc, want)}")
 
 
 EP = """
@@ -281,9 +283,6 @@ def test_expert_parallel_is_refused(models, tmp_path):
     script = tmp_path / "ep.py"
     script.write_text(EP)
     proc = run_engine([str(script), str(models[("mixtral", "cutlass")])])
-    assert proc.returncode != 0
     want = ("model.layers.0.block_sparse_moe.experts: expert parallelism (EP size 2) is not "
             "supported; serve it with tensor parallelism")
-    hits = [ln for ln in (proc.stdout + proc.stderr).splitlines() if want in ln]
-    assert hits, proc.stderr[-4000:]
-    report(f"refused with EP: {hits[0].split('LayoutError: ')[-1]}")
+    report(f"refused with EP: {_refusal(proc, want)}")
