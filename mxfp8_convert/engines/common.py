@@ -328,6 +328,24 @@ def take_cols(t: torch.Tensor, g: Grid, start: int, size: int,
     return _narrow(t, 1, start, size, g.cols, g.col_align, what)
 
 
+def rank_share(t: torch.Tensor, g: Grid, axis: int, index: int, size: int, shares: int | None,
+               what: str = "tensor") -> torch.Tensor:
+    """Share ``index`` of ``size`` weight rows (``axis`` 0) or K columns (``axis`` 1) of stored
+    tensor ``t``, which must hold ``shares`` such shares (not checked when ``None``): a view.
+
+    Raises:
+        LayoutError: ``t`` is not ``shares`` shares of ``size``, or the share is off its tiles.
+    """
+    per = g.rows if axis == 0 else g.cols
+    stored = t.shape[axis] * per
+    if shares is not None and stored != shares * size:
+        kind = f"a stored part of {stored} rows" if axis == 0 else f"K={stored} stored"
+        unit = f"the {size} rows" if axis == 0 else f"the K={size}"
+        raise LayoutError(f"{what}: {kind} is not {shares} shares of {unit} per rank the "
+                          "engine expects")
+    return (take_rows if axis == 0 else take_cols)(t, g, index * size, size, what)
+
+
 def place_rows(dest: torch.Tensor, g: Grid, offset: int, src: torch.Tensor,
                what: str = "tensor") -> None:
     """Copy ``src`` (a stored tensor's rows) into ``dest`` at weight row ``offset``, bytes as
@@ -441,11 +459,7 @@ class RankParameter:
         """Rows ``[index * size, (index + 1) * size)`` of ``loaded`` (a stored tensor of ``shares``
         such shares; all of it if ``presharded``) into this parameter's rows from ``offset``."""
         if not presharded:
-            rows = loaded.shape[0] * self.grid.rows
-            if shares is not None and rows != shares * size:
-                raise LayoutError(f"{self.what}: a stored part of {rows} rows is not {shares} "
-                                  f"shares of the {size} rows per rank the engine expects")
-            loaded = take_rows(loaded, self.grid, index * size, size, self.what)
+            loaded = rank_share(loaded, self.grid, 0, index, size, shares, self.what)
         self._place(loaded, offset)
 
     def load_column_parallel_weight(self, loaded_weight: torch.Tensor, tp_rank: int | None = None,
@@ -461,11 +475,8 @@ class RankParameter:
         rank = self.tp_rank if tp_rank is None else tp_rank
         size = self.data.shape[1] * self.grid.cols
         if not use_presharded_weights:
-            cols = loaded_weight.shape[1] * self.grid.cols
-            if self.tp_size is not None and cols != self.tp_size * size:
-                raise LayoutError(f"{self.what}: K={cols} stored is not {self.tp_size} shares of "
-                                  f"the K={size} per rank the engine expects")
-            loaded_weight = take_cols(loaded_weight, self.grid, rank * size, size, self.what)
+            loaded_weight = rank_share(loaded_weight, self.grid, 1, rank, size, self.tp_size,
+                                       self.what)
         self._place(loaded_weight, 0)
 
     def load_merged_column_weight(self, loaded_weight: torch.Tensor, **kw) -> None:
@@ -647,17 +658,11 @@ class ExpertsMethod:
                               f"projection (the rank holds {list(dest.shape)})")
         if part is None:  # down: the rank's K
             size = dest.shape[1] * g.cols
-            if loaded.shape[1] * g.cols != ranks * size:
-                raise LayoutError(f"{what}: K={loaded.shape[1] * g.cols} stored is not {ranks} "
-                                  f"shares of the K={size} per rank the engine expects")
-            place_rows(dest, g, 0, take_cols(loaded, g, rank * size, size, what), what)
+            place_rows(dest, g, 0, rank_share(loaded, g, 1, rank, size, ranks, what), what)
         else:  # gate / up: the rank's rows, at the part's offset
             size = dest.shape[0] * g.rows // 2
-            if loaded.shape[0] * g.rows != ranks * size:
-                raise LayoutError(f"{what}: {loaded.shape[0] * g.rows} rows stored are not "
-                                  f"{ranks} shares of the {size} rows per rank the engine "
-                                  "expects")
-            place_rows(dest, g, part * size, take_rows(loaded, g, rank * size, size, what), what)
+            place_rows(dest, g, part * size, rank_share(loaded, g, 0, rank, size, ranks, what),
+                       what)
         self.loaded.setdefault(name, set()).add((expert, shard_id))
 
     def check_loaded(self, layer) -> None:
