@@ -15,7 +15,9 @@ In one run, trtllm layout, the 19 model shapes:
    one-chain configs with one helper of ``dqmma.py`` replaced (:func:`patch`): ``nox`` / ``now``
    the activations' / the weight's TMA loads left out (the MMAs read what the ring holds);
    ``cvt1`` the conversion cut to one ``prmt`` a pair, ``nolds`` no fragment load and no
-   conversion; ``d2`` / ``d3`` two / three wgmma groups in flight; ``acc2``, ``acc2d2``,
+   conversion; ``swhot`` every scale-word load reads K-tile 0's words (cache hits after the
+   first); ``pre`` each block's fragment loaded before the wait for the previous block's wgmma;
+   ``d2`` / ``d3`` two / three wgmma groups in flight; ``acc2``, ``acc2d2``,
    ``acc4d3`` the 32-blocks into two or four accumulators in turn (and that depth).
 
 Variants that skip loads or the conversion compute garbage and are only timed; the others are
@@ -39,11 +41,14 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 SHARED = 220 * 1024
+#: the variants whose output is the product (checked against the reference), the rule's included
+COMPUTES = ("", "pre", "d2", "d3", "acc2", "acc2d2", "acc4d3")
 
 
 def patch(variant: str) -> None:
     """Replace dqmma's TMA issue helpers before anything compiles (``nox`` / ``now``)."""
     from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
     from triton.experimental.gluon.language.nvidia.hopper import mbarrier
 
     from mxfp8_convert.runtime.hopper import dqmma
@@ -67,6 +72,14 @@ def patch(variant: str) -> None:
         dqmma._dqmma_kernel = _deep_kernel(int(depth or 1), accs=int(accs))
     elif variant in ("cvt1", "nolds"):
         dqmma._dq_block = _light_block(variant)
+    elif variant == "pre":
+        dqmma._ktile = _early_load_ktile()
+    elif variant == "swhot":
+        @gluon.jit
+        def scale_words(sw_ptrs, kt):
+            return gl.load(sw_ptrs)
+
+        dqmma._scale_words = scale_words
     elif variant == "now":
         @gluon.jit
         def issue_w(w_desc, x_desc, w_s, bar, stage, p0, k0, pred):
@@ -103,6 +116,45 @@ def _light_block(variant: str):
         v, z = gl.broadcast(v, gl.zeros([BN, 32], gl.float32, a_l))
         return (v + z).to(gl.bfloat16)
     return block
+
+
+def _early_load_ktile():
+    """The kernel's K-tile with each 32-block's fragment loaded from shared memory before the
+    wait for the previous block's wgmma, not after it (``pre``): the load's latency under the
+    wait; the conversion as the kernel's."""
+    from triton.experimental import gluon
+    from triton.experimental.gluon import language as gl
+    from triton.experimental.gluon.language.nvidia.hopper import (
+        mbarrier,
+        warpgroup_mma,
+        warpgroup_mma_wait,
+    )
+
+    from mxfp8_convert.runtime.hopper import dqmma as d
+
+    _dq_convert, _issue = d._dq_convert, d._issue
+
+    @gluon.jit
+    def ktile(w_desc, x_desc, w_s, x_s, bars, acc, a, sw_word, i, kt0, n_it, p0, m0,
+              a_l: gl.constexpr, STAGES: gl.constexpr, FAST: gl.constexpr):
+        stage = i % STAGES
+        mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
+        w_tile = w_s.index(stage)
+        q = w_tile.slice(0, 32, dim=1).load(a_l)
+        for j in gl.static_range(4):
+            a_next = _dq_convert(q, sw_word, j, FAST)
+            xb = x_s.index(2 * stage + j // 2).slice((j % 2) * 32, 32, dim=1).permute((1, 0))
+            acc = warpgroup_mma(a_next, xb, acc, is_async=True)
+            if j < 3:
+                q = w_tile.slice((j + 1) * 32, 32, dim=1).load(a_l)
+            acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))
+            a = a_next
+            if j == 0:
+                nxt = i + STAGES - 1
+                _issue(w_desc, x_desc, w_s, x_s, bars.index(nxt % STAGES), nxt % STAGES, p0,
+                       m0, (kt0 + nxt) * 128, nxt < n_it)
+        return acc, a
+    return ktile
 
 
 def _deep_kernel(depth: int, accs: int = 1):
@@ -352,7 +404,7 @@ def rows(ms: list[int], shapes, variant: str, budget: float, t0: float,
                 v = {"ms": t, "config": cfg.to_dict(), "label": label(cfg)}
                 if cfg.kind is Kernel.DQMMA:
                     v["l2_GBps"] = traffic(cfg, m, n, k) / (t * 1e-3) / 1e9
-                if not variant or variant[0] in "da":  # one that computes the product
+                if variant in COMPUTES:  # one that computes the product
                     o = torch.full((m, n), float("nan"), device="cuda", dtype=torch.bfloat16)
                     triton_linear(x, w, out=o, config=cfg)
                     v["rel_err"] = rel_err(o, x, q, code)

@@ -97,6 +97,13 @@ def _issue(w_desc, x_desc, w_s, x_s, bar, stage, p0, m0, k0, pred):
     _issue_x(x_desc, x_s, bar, stage, m0, k0, pred)
 
 
+@gluon.jit
+def _scale_words(sw_ptrs, kt):
+    """The rows' 128x4 scale words of K-tile ``kt`` (``sw_ptrs``: each row's word of K-tile 0),
+    from global memory."""
+    return gl.load(sw_ptrs + kt * 128)
+
+
 #: e4m3 -> bf16 by bit moves, two bytes (a row's K-neighbours) at a time, and the block scale
 #: by one bf16x2 multiply.
 #: ``prmt`` spreads bytes b0, b1 into the halves of a word with their sign bytes replicated
@@ -125,7 +132,12 @@ def _dq_block(w_tile, word, j: gl.constexpr, a_l: gl.constexpr, FAST: gl.constex
     scale per pair); else e4m3 -> fp32 (exact), times the power of two (exact), -> bf16 (exact:
     4 significant bits). Both give the same bits (``test_dqmma_bit_conversion_matches``); only
     e4m3 NaN (0x7F, 0xFF, never in a quantized weight) differs: finite here, NaN there."""
-    q = w_tile.slice(j * 32, 32, dim=1).load(a_l)
+    return _dq_convert(w_tile.slice(j * 32, 32, dim=1).load(a_l), word, j, FAST)
+
+
+@gluon.jit
+def _dq_convert(q, word, j: gl.constexpr, FAST: gl.constexpr):
+    """:func:`_dq_block` of the block's e4m3 fragment ``q``, already in registers."""
     code = (word >> (8 * j)) & 0xFF
     if FAST:
         h = (code + 120) << 7  # bf16 bits of 2^(code - 7)
@@ -203,8 +215,8 @@ def _dqmma_kernel(
 
     srows = p0 + gl.arange(0, BN, layout=srow_l)  # physical rows (< the 128-row padded scale rows)
     sw_ptrs = s_ptr + _scale_row_base(srows, 0, scale_cp4, LAYOUT)  # word of (row, scale col 0)
-    sw_word = gl.load(sw_ptrs + kt0 * 128)  # scale words from DRAM: two K-tiles ahead
-    sw_1 = gl.load(sw_ptrs + gl.minimum(kt0 + 1, last) * 128)
+    sw_word = _scale_words(sw_ptrs, kt0)  # scale words from DRAM: two K-tiles ahead
+    sw_1 = _scale_words(sw_ptrs, gl.minimum(kt0 + 1, last))
     if PDL and PREFETCH:  # the weight's first tiles and scale words are on their way: now the
         # activations, which the previous kernel (the quantization) writes
         _gdc_wait_and_release()
@@ -217,9 +229,9 @@ def _dqmma_kernel(
     # define the accumulator while a wgmma is in flight, so ptxas keeps them asynchronous
     acc, a = _ktile(w_desc, x_desc, w_s, x_s, bars, acc, a, sw_word, 0, kt0, n_it, p0, m0, a_l,
                     STAGES, FAST)
-    sw_word, sw_1 = sw_1, gl.load(sw_ptrs + gl.minimum(kt0 + 2, last) * 128)
+    sw_word, sw_1 = sw_1, _scale_words(sw_ptrs, gl.minimum(kt0 + 2, last))
     for i in range(1, n_it):
-        sw_new = gl.load(sw_ptrs + gl.minimum(kt0 + i + 2, last) * 128)
+        sw_new = _scale_words(sw_ptrs, gl.minimum(kt0 + i + 2, last))
         acc, a = _ktile(w_desc, x_desc, w_s, x_s, bars, acc, a, sw_word, i, kt0, n_it, p0, m0,
                         a_l, STAGES, FAST)
         sw_word, sw_1 = sw_1, sw_new
@@ -317,15 +329,15 @@ def _ws_part(w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_pt
         last = kt0 + n_it - 1
         sw_ptrs = s_ptr + _scale_row_base(r0 + gl.arange(0, 64, layout=srow_l), 0, scale_cp4,
                                           LAYOUT)
-        sw_word = gl.load(sw_ptrs + kt0 * 128)  # scale words from DRAM: two K-tiles ahead
-        sw_1 = gl.load(sw_ptrs + gl.minimum(kt0 + 1, last) * 128)
+        sw_word = _scale_words(sw_ptrs, kt0)  # scale words from DRAM: two K-tiles ahead
+        sw_1 = _scale_words(sw_ptrs, gl.minimum(kt0 + 1, last))
         acc = gl.zeros([64, BM], gl.float32, acc_l)
         a = gl.zeros([64, 32], gl.bfloat16, a_l)
         acc, a = _ws_ktile(w_s, x_s, full, empty, acc, a, sw_word, 0, a_l, ROLE, CONS, STAGES,
                            FAST)
-        sw_word, sw_1 = sw_1, gl.load(sw_ptrs + gl.minimum(kt0 + 2, last) * 128)
+        sw_word, sw_1 = sw_1, _scale_words(sw_ptrs, gl.minimum(kt0 + 2, last))
         for i in range(1, n_it):
-            sw_new = gl.load(sw_ptrs + gl.minimum(kt0 + i + 2, last) * 128)
+            sw_new = _scale_words(sw_ptrs, gl.minimum(kt0 + i + 2, last))
             acc, a = _ws_ktile(w_s, x_s, full, empty, acc, a, sw_word, i, a_l, ROLE, CONS,
                                STAGES, FAST)
             sw_word, sw_1 = sw_1, sw_new
