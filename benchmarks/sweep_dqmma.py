@@ -308,7 +308,40 @@ def tokens_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
     return out
 
 
-def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> None:
+def _stage_bytes(bm: int) -> int:
+    """Shared memory of one ring stage of a 64-row program of ``bm`` tokens: the ``[64, 128]``
+    weight box and two ``[bm, 64]`` bf16 activation boxes."""
+    return 64 * 128 + 2 * bm * 64 * 2
+
+
+def occupancy_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
+    """The one-chain dqmma kernel's 64-row programs (64 tokens, and 128 from M = 65) in rings of
+    2 and 3, K split so that about 1, 2, 3 or 4 programs share each SM, as many as the ring's
+    shared memory lets share one, with the rule's launch options: what more warpgroups an SM
+    buy at serving batches, where the kernel waits on latency (issue 26)."""
+    from mxfp8_convert.runtime.hopper.config import no_empty_splits
+    from mxfp8_convert.runtime.hopper.rules import dqmma_config, dqmma_launch
+
+    out, seen = [], set()
+    k_tiles = k // 128
+    for bm in (64, 128) if m > 64 else (64,):
+        tiles = cdiv(n, 64) * cdiv(m, bm)
+        for st in (2, 3):
+            fit = min(4, SMEM // (st * _stage_bytes(bm)))
+            for per_sm in range(1, fit + 1):
+                split = max(1, min(round(per_sm * facts.sms / tiles), k_tiles // 2))
+                base = dqmma_config(m, n, k, facts, block_n=64, block_m=bm, stages=st)
+                c = dqmma_launch(dataclasses.replace(
+                    base, split_k=no_empty_splits(k_tiles, split)), n, k, facts)
+                key = tuple(sorted(c.to_dict().items()))
+                if key not in seen:
+                    seen.add(key)
+                    out.append(c)
+    return out
+
+
+def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float,
+                 configs=tokens_configs, save: str = "sweep_tokens.json") -> None:
     """M = 65..512 (trtllm): bf16, the rule's config (and without its PDL chain; up to M = 128
     the 64-token programs of ``dqmma_config``'s default) and :func:`tokens_configs` side by
     side, each checked against the float64 reference (``sweep_tokens.json``)."""
@@ -328,7 +361,7 @@ def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> 
             t_bf = time_bf16(x, wbf)
             ws, xs, cm = mx_copies(x, w)
             rule = choose_config(m, n, k, facts)
-            runs = [("rule", rule)] + [(label(c), c) for c in tokens_configs(m, n, k, facts)]
+            runs = [("rule", rule)] + [(label(c), c) for c in configs(m, n, k, facts)]
             if rule.pdl:  # and the rule's config without the PDL chain
                 runs.append(("rule-nopdl", pdl_variant(rule, "off")))
             if m <= 128:  # and 64-token programs (dqmma_config's default tile)
@@ -352,7 +385,7 @@ def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> 
         del w, wbf
         torch.cuda.empty_cache()
         out.mkdir(parents=True, exist_ok=True)
-        (out / "sweep_tokens.json").write_text(json.dumps(rows, indent=1))
+        (out / save).write_text(json.dumps(rows, indent=1))
     for m in ms:
         sub = [r for r in rows if r["m"] == m]
         if not sub:
@@ -360,7 +393,7 @@ def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float) -> 
         best = [max(v["ratio"] for k_, v in r["variants"].items() if k_ != "rule") for r in sub]
         rule = [r["variants"]["rule"]["ratio"] for r in sub]
         both = [max(a, b) for a, b in zip(best, rule, strict=True)]
-        print(f"M={m:3d} rule min {min(rule):.2f} median {median(rule):.2f}; 128-token best min "
+        print(f"M={m:3d} rule min {min(rule):.2f} median {median(rule):.2f}; candidates' best min "
               f"{min(best):.2f} median {median(best):.2f}; per-row best min {min(both):.2f} "
               f"median {median(both):.2f} ({len(sub)} rows)")
 
@@ -380,6 +413,8 @@ def main() -> int:
                     help="only the rule, the one-chain rule and the specialized tiles")
     ap.add_argument("--tokens", action="store_true",
                     help="the rule against the one-chain kernel's 128-token programs")
+    ap.add_argument("--occupancy", action="store_true",
+                    help="the rule against 64-row programs at 1..4 an SM (rings of 2, 3)")
     a = ap.parse_args()
     t0 = time.time()
     if a.check and not check():
@@ -393,6 +428,10 @@ def main() -> int:
         return 0
     if a.tokens:
         tokens_sweep(ms, shapes, Path(a.out), t0, a.budget)
+        return 0
+    if a.occupancy:
+        tokens_sweep(ms, shapes, Path(a.out), t0, a.budget, occupancy_configs,
+                     "sweep_occupancy.json")
         return 0
     rows = []
     from mxfp8_convert.runtime.hopper.probe import device_facts
