@@ -15,6 +15,8 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import functools
+import itertools
 import json
 import os
 import sys
@@ -314,29 +316,32 @@ def _stage_bytes(bm: int) -> int:
     return 64 * 128 + 2 * bm * 64 * 2
 
 
-def occupancy_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
+def occupancy_configs(m: int, n: int, k: int, facts, specialized: bool = False
+                      ) -> list[GemmConfig]:
     """The one-chain dqmma kernel's 64-row programs (64 tokens, and 128 from M = 65) in rings of
     2 and 3, K split so that about 1, 2, 3 or 4 programs share each SM, as many as the ring's
     shared memory lets share one, with the rule's launch options: what more warpgroups an SM
-    buy at serving batches, where the kernel waits on latency (issue 26)."""
+    buy at serving batches, where the kernel waits on latency (issue 26). ``specialized``: and
+    the same programs of the warp-specialized kernel (a producer warp, one consumer)."""
     from mxfp8_convert.runtime.hopper.config import no_empty_splits
     from mxfp8_convert.runtime.hopper.rules import dqmma_config, dqmma_launch
 
     out, seen = [], set()
     k_tiles = k // 128
-    for bm in (64, 128) if m > 64 else (64,):
+    for bm, st, spec in itertools.product((64, 128) if m > 64 else (64,), (2, 3),
+                                          (False, True) if specialized else (False,)):
         tiles = cdiv(n, 64) * cdiv(m, bm)
-        for st in (2, 3):
-            fit = min(4, SMEM // (st * _stage_bytes(bm)))
-            for per_sm in range(1, fit + 1):
-                split = max(1, min(round(per_sm * facts.sms / tiles), k_tiles // 2))
-                base = dqmma_config(m, n, k, facts, block_n=64, block_m=bm, stages=st)
-                c = dqmma_launch(dataclasses.replace(
-                    base, split_k=no_empty_splits(k_tiles, split)), n, k, facts)
-                key = tuple(sorted(c.to_dict().items()))
-                if key not in seen:
-                    seen.add(key)
-                    out.append(c)
+        fit = min(4, SMEM // (st * _stage_bytes(bm)))
+        for per_sm in range(1, fit + 1):
+            split = max(1, min(round(per_sm * facts.sms / tiles), k_tiles // 2))
+            base = dqmma_config(m, n, k, facts, block_n=64, block_m=bm, stages=st,
+                                specialized=spec)
+            c = dqmma_launch(dataclasses.replace(
+                base, split_k=no_empty_splits(k_tiles, split)), n, k, facts)
+            key = tuple(sorted(c.to_dict().items()))
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
     return out
 
 
@@ -415,6 +420,8 @@ def main() -> int:
                     help="the rule against the one-chain kernel's 128-token programs")
     ap.add_argument("--occupancy", action="store_true",
                     help="the rule against 64-row programs at 1..4 an SM (rings of 2, 3)")
+    ap.add_argument("--specialized", action="store_true",
+                    help="with --occupancy: the warp-specialized kernel's programs too")
     a = ap.parse_args()
     t0 = time.time()
     if a.check and not check():
@@ -430,7 +437,8 @@ def main() -> int:
         tokens_sweep(ms, shapes, Path(a.out), t0, a.budget)
         return 0
     if a.occupancy:
-        tokens_sweep(ms, shapes, Path(a.out), t0, a.budget, occupancy_configs,
+        tokens_sweep(ms, shapes, Path(a.out), t0, a.budget,
+                     functools.partial(occupancy_configs, specialized=a.specialized),
                      "sweep_occupancy.json")
         return 0
     rows = []
