@@ -179,9 +179,9 @@ SERVING = [
     (32, 4096, 14336, "dqmma", 64, 32, 5),  # K >= 12288: 64 tiles, ceil(264/64) = 5 of 112
     (32, 32768, 512, "dqmma", 64, 32, 1),  # 512 tiles
     (32, 9728, 2560, "dqmma", 64, 32, 2),  # 152 tiles < 1.25 x 132: ceil(264/152) = 2
-    (64, 9728, 2560, "dqmma", 64, 64, 2),  # likewise (20 K-tiles: 10 each)
+    (64, 9728, 2560, "dqmma", 64, 64, 3),  # ring of 2 (below): round(528 / 152) = 3
     (64, 14336, 4096, "dqmma", 64, 64, 1),  # 224 tiles >= 165: unsplit
-    (64, 4096, 4096, "dqmma", 64, 64, 5),  # 64 tiles: ceil(264/64) = 5 (32 K-tiles // 4 = 8)
+    (64, 4096, 4096, "dqmma", 64, 64, 8),  # ring of 2 (below): round(528 / 64) = 8
     (64, 1024, 2560, "dqmma", 64, 64, 5),  # 16 tiles: 17 -> 20 K-tiles // 4 = 5: 4,4,4,4,4
     (100, 1024, 4096, "dqmma", 64, 128, 8),  # 16 tiles <= 132: 132 // 16 = 8, 32 // 4 = 8
     (128, 24576, 1536, "dqmma", 64, 64, 1),  # 384 tiles, 192 of 128 rows: 64 tokens, 384 x 2
@@ -220,7 +220,8 @@ def test_serving_rule_on_an_h200(m, n, k, kind, block_n, block_m, split):
         assert cfg.fuse_quant and not cfg.serial_reduce and cfg.pdl and cfg.phys_partials
         assert cfg.num_warps == 8 and not cfg.cluster
     if kind == "dqmma":
-        assert cfg.num_warps == block_n // 16 and cfg.num_stages == 3 and cfg.block_k == 128
+        ring = 2 if 32 < m <= 64 and n * k < 32_000_000 and n >= 2560 else 3  # OCCUPANCY
+        assert cfg.num_warps == block_n // 16 and cfg.num_stages == ring and cfg.block_k == 128
         assert not cfg.specialized
         # quantization, kernel and reduction as a PDL chain below 32 M weight elements, the
         # weight's first tiles early
@@ -266,6 +267,32 @@ def test_serving_rule_takes_the_specialized_kernel(m, n, k, block_m, split, stag
     assert cfg.kind is Kernel.DQMMA and cfg.specialized and cfg.block_n == 128
     assert (cfg.block_m, cfg.split_k, cfg.num_stages, cfg.num_warps) == (block_m, split, stages,
                                                                          4)
+
+
+# M = 33..64, TUNED.dqmma_occupancy_*: on weights of < 32 M elements with N >= 2560, 64-row
+# programs in a ring of 2 (2 x (8 + 16) KB: four fit an SM's 227 KB), split
+# round(4 * 132 / tiles), at least 4 K-tiles a split, then no empty split; other weights keep
+# the ring of 3 and dqmma's split (the table above).
+OCCUPANCY = [
+    # (M, N, K, split_k, stages)
+    (64, 4096, 4096, 8, 2),  # 64 tiles: round(8.25) = 8 (32 K-tiles: 4 each)
+    (48, 4096, 2560, 5, 2),  # round(8.25) = 8, 20 K-tiles // 4 = 5
+    (33, 2560, 9728, 13, 2),  # 40 tiles: round(13.2) = 13 (76 K-tiles: 6 each)
+    (64, 32768, 512, 1, 2),  # 512 tiles: round(1.03) = 1
+    (64, 7168, 2048, 4, 2),  # 112 tiles: round(4.7) = 5, 16 K-tiles: 4 each -> 4 splits
+    (64, 2560, 4096, 8, 2),  # 40 tiles: round(13.2) = 13, 32 K-tiles // 4 = 8
+    (64, 2048, 7168, 8, 3),  # N < 2560: ceil(264 / 32) = 9 -> 56 K-tiles: 7 each -> 8
+    (64, 14336, 4096, 1, 3),  # 58.7 M elements: 224 tiles fill the SMs, unsplit
+    (32, 9728, 2560, 2, 3),  # M = 32: 32-token programs, dqmma's split (the table above)
+]
+
+
+@pytest.mark.parametrize("m,n,k,split,stages", OCCUPANCY)
+def test_serving_rule_puts_four_64_token_programs_on_an_sm(m, n, k, split, stages):
+    cfg = choose_config(m, n, k, FACTS["h200"])
+    assert cfg.kind is Kernel.DQMMA and not cfg.specialized
+    assert (cfg.block_n, cfg.block_m, cfg.split_k, cfg.num_stages) == (
+        64, 64 if m > 32 else 32, split, stages)
 
 
 # M = 65..128, TUNED.dqmma_pair_*: one-chain programs of 128 rows and 128 tokens in a ring of 2

@@ -22,7 +22,7 @@ from mxfp8_convert.runtime.reference import dequantize_mxfp8, fake_quantize_mxfp
 pytestmark = pytest.mark.gpu
 LAYOUTS = ("trtllm", "cutlass")
 # MXFP8_GPU_TEST_MAX_M=16 keeps the decode sizes only (a short device run)
-MS = tuple(m for m in (1, 2, 4, 16, 32, 80, 100, 300, 2048, 8192)
+MS = tuple(m for m in (1, 2, 4, 16, 32, 48, 80, 100, 300, 2048, 8192)
            if m <= int(os.environ.get("MXFP8_GPU_TEST_MAX_M", "1000000")))
 
 

@@ -179,6 +179,18 @@ class Tuning:
     # slowed large ones at M <= 64 (DeepSeek o_proj M = 32 54.4 vs 46.0 us, Llama gate_up M = 64
     # 37.6 vs 30.9)
     dqmma_pdl_max_weight: int = 32_000_000
+    # M = 33..64 on those weights where N >= dqmma_occupancy_min_n: 64-row programs in a ring of
+    # 2 (49 KB, four an SM), K split so that about dqmma_occupancy_per_sm programs share each
+    # SM (at least dqmma_min_split_tiles K-tiles a split): the kernel is latency-bound with ~1.7
+    # warps a scheduler (ncu_dqmma.sh), and on these weights more programs hid more than their
+    # partials cost (sweep_dqmma.py --occupancy --ms 48,64, 2026-12-02, against the previous
+    # rule side by side, M = 64: Llama q_proj / o_proj x0.89 / x0.91 vs x0.75 / x0.77, Qwen
+    # gate_up x0.99 vs x0.86, down_proj x1.08 vs x0.93, o_proj x0.70 vs x0.67, q_proj x0.65 both,
+    # DeepSeek kv_b x0.96 vs x0.81, expert down_proj x0.84 vs x0.76; M = 48 median x0.99 vs
+    # x0.91); on narrower or larger weights it lost (the first sweep, 18:08: DeepSeek q_a x0.59
+    # vs x0.78, expert gate_up x0.71 vs x0.89, DeepSeek o_proj x0.53-1.10 vs x1.19)
+    dqmma_occupancy_min_n: int = 2560
+    dqmma_occupancy_per_sm: int = 4
     ws_wide_min_k: int = 4096
     ws_wide_min_share: float = 0.75
 
@@ -515,6 +527,21 @@ def pair_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
                         waves=TUNED.dqmma_pair_waves)
 
 
+def occupancy_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | None:
+    """At M = 33..64 (``dqmma_config``'s 64-token programs) on weights of fewer than
+    ``dqmma_pdl_max_weight`` elements and at least ``dqmma_occupancy_min_n`` rows: 64-row programs
+    in a ring of 2, K split for about ``dqmma_occupancy_per_sm`` programs an SM (at least
+    ``dqmma_min_split_tiles`` K-tiles a split) (:data:`TUNED`); else None."""
+    t = TUNED
+    if not (32 < m <= 64 and n * k < t.dqmma_pdl_max_weight and n >= t.dqmma_occupancy_min_n):
+        return None
+    tiles, k_tiles = cdiv(n, 64), k // WGMMA_BLOCK_K
+    split = max(1, min(round(t.dqmma_occupancy_per_sm * facts.sms / tiles),
+                       k_tiles // t.dqmma_min_split_tiles))
+    return dataclasses.replace(dqmma_config(m, n, k, facts, stages=2),
+                               split_k=no_empty_splits(k_tiles, split))
+
+
 def specialized_wins(m: int, n: int, k: int, facts: DeviceFacts) -> bool:
     """Whether the serving rule takes the warp-specialized dqmma (:data:`TUNED`, ``ws_*``)."""
     t = TUNED
@@ -542,7 +569,8 @@ def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | Non
     FP8 wgmma kernel instead (128-row programs,
     split-K to ~``serve_wgmma_waves`` waves, at most ``serve_wgmma_per_sm`` programs per SM, summed
     by a second kernel, :func:`launch_options`) unless the weight's 64-row tiles fill the SMs or
-    K >= ``serve_dqmma_min_k``; above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` or N <=
+    K >= ``serve_dqmma_min_k``; at M = 33..64 :func:`occupancy_config` where it gives one;
+    above ``dqmma_wide_m`` only for N >= ``dqmma_wide_min_n`` or N <=
     ``dqmma_narrow_n`` (None: cuBLAS) (:data:`TUNED`)."""
     t = TUNED
     if (not facts.hopper or not facts.gluon or k % WGMMA_BLOCK_K
@@ -567,6 +595,8 @@ def serving_rule(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig | Non
                            serial_reduce=False)
         return launch_options(dataclasses.replace(cfg, serial_reduce=cfg.split_k == 1), m,
                               facts)
+    if (cfg := occupancy_config(m, n, k, facts)) is not None:
+        return dqmma_launch(cfg, n, k, facts)
     return dqmma_launch(dqmma_config(m, n, k, facts), n, k, facts)
 
 
