@@ -17,8 +17,6 @@ In one run, trtllm layout, the 19 model shapes:
    ``cvt1`` the conversion cut to one ``prmt`` a pair, ``nolds`` no fragment load and no
    conversion; ``swhot`` every scale-word load reads K-tile 0's words (cache hits after the
    first); ``pre`` each block's fragment loaded before the wait for the previous block's wgmma;
-   ``u16`` the fragment loaded two bytes a load in the wgmma operand layout (the kernel before
-   its 64-bit loads);
    ``d2`` / ``d3`` two / three wgmma groups in flight; ``acc2``, ``acc2d2``,
    ``acc4d3`` the 32-blocks into two or four accumulators in turn (and that depth).
 
@@ -74,8 +72,6 @@ def patch(variant: str) -> None:
         dqmma._dqmma_kernel = _deep_kernel(int(depth or 1), accs=int(accs))
     elif variant in ("cvt1", "nolds"):
         dqmma._dq_block = _light_block(variant)
-    elif variant == "u16":
-        dqmma._dq_block = _pair_load_block()
     elif variant == "pre":
         dqmma._ktile = _early_load_ktile()
     elif variant == "swhot":
@@ -122,35 +118,6 @@ def _light_block(variant: str):
     return block
 
 
-def _pair_load_block():
-    """The kernel's 32-block with each thread's fragment loaded in the wgmma operand layout
-    itself, two bytes (one K pair) a shared load, and converted a pair at a time (``u16``; the
-    kernel before its 64-bit loads): timed only (its K order is the natural one, the
-    activations' the fragment order)."""
-    from triton.experimental import gluon
-    from triton.experimental.gluon import language as gl
-
-    asm = gl.constexpr("""{
-.reg .b32 t;
-cvt.u32.u16 t, $1;
-prmt.b32 t, t, 0, 0x9180;
-shl.b32 t, t, 4;
-and.b32 t, t, 0x87F087F0;
-mul.rn.bf16x2 $0, t, $2;
-}""")
-
-    @gluon.jit
-    def block(w_tile, word, j: gl.constexpr, a_l: gl.constexpr, FAST: gl.constexpr):
-        q = w_tile.slice(j * 32, 32, dim=1).load(a_l)
-        h = (((word >> (8 * j)) & 0xFF) + 120) << 7
-        sc = gl.expand_dims(h | (h << 16), 1)
-        qi = q.to(gl.int8, bitcast=True)
-        sc, qi = gl.broadcast(sc, qi)
-        return gl.inline_asm_elementwise(asm, "=r,h,r,r", [qi, sc], dtype=gl.bfloat16,
-                                         is_pure=True, pack=2)
-    return block
-
-
 def _early_load_ktile():
     """The kernel's K-tile with each 32-block's fragment loaded from shared memory before the
     wait for the previous block's wgmma, not after it (``pre``): the load's latency under the
@@ -165,7 +132,7 @@ def _early_load_ktile():
 
     from mxfp8_convert.runtime.hopper import dqmma as d
 
-    _dq_convert, _dq_load, _issue = d._dq_convert, d._dq_load, d._issue
+    _dq_convert, _issue = d._dq_convert, d._issue
 
     @gluon.jit
     def ktile(w_desc, x_desc, w_s, x_s, bars, acc, a, sw_word, i, kt0, n_it, p0, m0,
@@ -173,13 +140,13 @@ def _early_load_ktile():
         stage = i % STAGES
         mbarrier.wait(bars.index(stage), (i // STAGES) & 1)
         w_tile = w_s.index(stage)
-        q = _dq_load(w_tile, 0)
+        q = w_tile.slice(0, 32, dim=1).load(a_l)
         for j in gl.static_range(4):
-            a_next = _dq_convert(q, sw_word, j, a_l, FAST)
+            a_next = _dq_convert(q, sw_word, j, FAST)
             xb = x_s.index(2 * stage + j // 2).slice((j % 2) * 32, 32, dim=1).permute((1, 0))
             acc = warpgroup_mma(a_next, xb, acc, is_async=True)
             if j < 3:
-                q = _dq_load(w_tile, j + 1)
+                q = w_tile.slice((j + 1) * 32, 32, dim=1).load(a_l)
             acc, a = warpgroup_mma_wait(num_outstanding=1, deps=(acc, a))
             a = a_next
             if j == 0:

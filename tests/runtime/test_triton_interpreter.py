@@ -22,7 +22,6 @@ from mxfp8_convert.runtime import MXFP8Weight, mxfp8_linear, quantize_mxfp8, ref
 from mxfp8_convert.runtime.hopper.config import GemmConfig, Kernel
 from mxfp8_convert.runtime.hopper.rules import TUNED, DeviceFacts, choose_config
 from tests.runtime.interpreter import interp, run_interpreter_suite
-from tests.runtime.wgmma_fragment import wgmma_fragment_columns
 
 CPU = DeviceFacts(sms=4, capability=None)  # what probe.device_facts gives under the interpreter
 
@@ -275,15 +274,6 @@ def test_activation_quantization_bit_exact():
         assert torch.equal(got["q"].view(torch.uint8), q.view(torch.uint8))
         scales = torch.exp2(code.float() - 127)[..., None]
         assert torch.equal(got["deq"], q.float().reshape(9, 32, 32).mul(scales).reshape(9, 1024))
-        frag = quantize_activations(xt, fragment_order=True)["deq"]
-        assert torch.equal(frag, got["deq"][:, wgmma_fragment_columns(1024)])
-
-
-def test_fragment_order_is_the_wgmma_fragment_s():
-    pytest.importorskip("triton")
-    from mxfp8_convert.runtime.hopper.dqmma import FRAGMENT_ORDER
-
-    assert list(FRAGMENT_ORDER) == wgmma_fragment_columns(32).tolist()
 
 
 @interp

@@ -10,15 +10,13 @@ summation order, at bf16 tensor-core rate, with the weight streamed as 1.03 byte
 Each program computes a ``[BN, BM]`` tile of ``out^T`` (swap-AB: weight rows are the MMA's M,
 tokens its N): ``BN`` physical weight rows (64 per warpgroup), ``BM`` tokens, a range of K
 (split-K). Per 128-wide K-tile, the weight's ``[BN, 128]`` e4m3 box and the activations' two
-``[BM, 64]`` bf16 boxes (from ``quantize_activations``, exactly dequantized, K permuted within
-each 32-block: :data:`FRAGMENT_ORDER`) come in by TMA through a ring of ``STAGES``
-shared-memory buffers. Per 32-block of the tile, each thread loads 8 K-contiguous bytes of each
-of its two fragment rows from shared memory (one 64-bit load each), converts them to bf16 and
-multiplies them by the row's block scale ``2^(code-127)`` (one
+``[BM, 64]`` bf16 boxes (from ``quantize_activations``, exactly dequantized) come in by TMA
+through a ring of ``STAGES`` shared-memory buffers. Per 32-block of the tile, each thread loads
+its fragment of the weight rows straight from shared memory in the wgmma's register-operand
+layout, converts it to bf16 and multiplies it by its row's block scale ``2^(code-127)`` (one
 128x4 scale word per row and K-tile, loaded from global memory two K-tiles ahead), then issues
-the wgmma asynchronously with those registers as its A fragment (whose K positions are the
-permuted ones, as the activations'); the next block's fragment is prepared while it runs (one
-wgmma in flight). A stage is refilled once the wgmmas that read it have retired.
+the wgmma asynchronously; the next block's fragment is prepared while it runs (one wgmma in
+flight). A stage is refilled once the wgmmas that read it have retired.
 
 Rows are processed in *physical* order (TMA loads contiguous row boxes); the epilogue maps each
 physical row to its logical output column (trtllm: the P32 permutation stays within 32-row
@@ -106,91 +104,50 @@ def _scale_words(sw_ptrs, kt):
     return gl.load(sw_ptrs + kt * 128)
 
 
-#: e4m3 -> bf16 by bit moves, a word of four bytes (a row's K-neighbours) at a time, and the
-#: block scale by one bf16x2 multiply per two.
-#: ``prmt`` spreads bytes b0, b1 (b2, b3) into the halves of a word with their sign bytes
-#: replicated above them; ``<< 4`` and the mask leave ``sign << 15 | (byte & 0x7F) << 4`` per
+#: e4m3 -> bf16 by bit moves, two bytes (a row's K-neighbours) at a time, and the block scale
+#: by one bf16x2 multiply.
+#: ``prmt`` spreads bytes b0, b1 into the halves of a word with their sign bytes replicated
+#: above them; ``<< 4`` and the mask leave ``sign << 15 | (byte & 0x7F) << 4`` per
 #: half: the bf16 of ``q * 2^-120`` exactly, subnormal e4m3 included (bf16 subnormals); the
 #: multiply by ``2^(code - 7)`` (exact in bf16 for code <= 134) then rounds the exact product
-#: ``q * 2^(code - 127)`` once, as the fp32 path's final conversion does: the same bits. (The
-#: block's scale is the same for the four bytes: ``$3``; ``$4..$6``, its copies, are unused.)
-_E4M3X4_BF16 = gl.constexpr("""{
-.reg .b32 t, u;
-prmt.b32 t, $2, 0, 0x9180;
-prmt.b32 u, $2, 0, 0xB3A2;
+#: ``q * 2^(code - 127)`` once, as the fp32 path's final conversion does: the same bits.
+_E4M3X2_BF16 = gl.constexpr("""{
+.reg .b32 t;
+cvt.u32.u16 t, $1;
+prmt.b32 t, t, 0, 0x9180;
 shl.b32 t, t, 4;
-shl.b32 u, u, 4;
 and.b32 t, t, 0x87F087F0;
-and.b32 u, u, 0x87F087F0;
-mul.rn.bf16x2 $0, t, $3;
-mul.rn.bf16x2 $1, u, $3;
+mul.rn.bf16x2 $0, t, $2;
 }""")
 #: largest scale code the bit path takes: ``2^(code - 7)`` must be a normal bf16
 FAST_MAX_CODE = 134
-#: The order of K within each 32-block in which the kernels read the activations ``xd``: column
-#: ``i`` holds element ``FRAGMENT_ORDER[i]``, i.e. column ``8 h + 2 c + p`` element
-#: ``8 c + 2 h + p`` (``c, h < 4``, ``p < 2``; the swap is its own inverse). A bf16 wgmma's
-#: register A fragment gives thread column ``c = lane % 4`` the K positions ``2c, 2c + 1,
-#: 2c + 8, 2c + 9`` of each k16 step (PTX ISA, wgmma register fragments, .bf16 A); each thread
-#: loads its rows' stored weight columns ``8c .. 8c + 7`` in one 64-bit shared load instead
-#: and places them at those positions, which permutes the weight's K so; the activations,
-#: written permuted alike by ``quantize_activations(x, fragment_order=True)``, keep the sum.
-FRAGMENT_ORDER = tuple(8 * ((i >> 1) & 3) + 2 * (i >> 3) + (i & 1) for i in range(32))
-
-
-@gluon.constexpr_function
-def _fragment_load_layout(rows):
-    """Each thread of a ``[rows, 32]`` block holds 8 K-contiguous bytes (one 64-bit shared load)
-    of the two rows its wgmma fragment covers (``r`` and ``r + 8``, ``r = 16 warp + lane // 4``),
-    columns ``8 (lane % 4) .. + 7``: :func:`_dq_convert` relabels them into the fragment's
-    K positions (:data:`FRAGMENT_ORDER`)."""
-    return gl.DistributedLinearLayout(
-        reg_bases=[[0, 1], [0, 2], [0, 4], [8, 0]],
-        lane_bases=[[0, 8], [0, 16], [1, 0], [2, 0], [4, 0]],
-        warp_bases=[[16 << i, 0] for i in range((rows // 16).bit_length() - 1)],
-        block_bases=[], shape=[rows, 32])
 
 
 @gluon.jit
 def _dq_block(w_tile, word, j: gl.constexpr, a_l: gl.constexpr, FAST: gl.constexpr):
     """32-block ``j`` of a shared ``[BN, 128]`` e4m3 tile as exact bf16 ``q * 2^(c-127)`` in the
-    register-operand layout ``a_l`` (``word``: the rows' 128x4 scale words, in its row slice),
-    its K positions in :data:`FRAGMENT_ORDER` (the activations' order).
+    register-operand layout ``a_l`` (``word``: the rows' 128x4 scale words, in its row slice).
     ``FAST`` (every scale code <= ``FAST_MAX_CODE``): bit moves and one bf16x2 multiply per two
-    elements (:data:`_E4M3X4_BF16`); else e4m3 -> fp32 (exact), times the power of two (exact),
-    -> bf16 (exact: 4 significant bits). Both give the same bits
-    (``test_dqmma_bit_conversion_matches``); only e4m3 NaN (0x7F, 0xFF, never in a quantized
-    weight) differs: finite here, NaN there."""
-    return _dq_convert(_dq_load(w_tile, j), word, j, a_l, FAST)
+    elements (:data:`_E4M3X2_BF16`; the register layout pairs K-neighbours of one row, so one
+    scale per pair); else e4m3 -> fp32 (exact), times the power of two (exact), -> bf16 (exact:
+    4 significant bits). Both give the same bits (``test_dqmma_bit_conversion_matches``); only
+    e4m3 NaN (0x7F, 0xFF, never in a quantized weight) differs: finite here, NaN there."""
+    return _dq_convert(w_tile.slice(j * 32, 32, dim=1).load(a_l), word, j, FAST)
 
 
 @gluon.jit
-def _dq_load(w_tile, j: gl.constexpr):
-    """The e4m3 bytes of 32-block ``j`` of a shared ``[BN, 128]`` tile, each thread's 8 bytes of
-    a row in one load (:func:`_fragment_load_layout`)."""
-    BN: gl.constexpr = w_tile.shape[0]
-    return w_tile.slice(j * 32, 32, dim=1).load(_fragment_load_layout(BN))
-
-
-@gluon.jit
-def _dq_convert(q, word, j: gl.constexpr, a_l: gl.constexpr, FAST: gl.constexpr):
-    """:func:`_dq_block` of the block's bytes ``q`` from :func:`_dq_load`: converted where they
-    lie, then relabelled into ``a_l`` (the same registers: stored column ``8 c + 2 h + p`` of
-    thread column ``c`` is K position ``8 h + 2 c + p`` of its fragment)."""
-    BN: gl.constexpr = q.shape[0]
-    ld_l: gl.constexpr = _fragment_load_layout(BN)
-    code = gl.convert_layout((word >> (8 * j)) & 0xFF, gl.SliceLayout(1, ld_l))
+def _dq_convert(q, word, j: gl.constexpr, FAST: gl.constexpr):
+    """:func:`_dq_block` of the block's e4m3 fragment ``q``, already in registers."""
+    code = (word >> (8 * j)) & 0xFF
     if FAST:
         h = (code + 120) << 7  # bf16 bits of 2^(code - 7)
         sc = gl.expand_dims(h | (h << 16), 1)
         qi = q.to(gl.int8, bitcast=True)
         sc, qi = gl.broadcast(sc, qi)
-        v = gl.inline_asm_elementwise(_E4M3X4_BF16, "=r,=r,r,r,r,r,r", [qi, sc],
-                                      dtype=gl.bfloat16, is_pure=True, pack=4)
-    else:
-        v = (q.to(gl.float32) * gl.expand_dims(_pow2_f32(code), 1)).to(gl.bfloat16)
-    v = gl.reshape(gl.permute(gl.reshape(v, [BN, 4, 4, 2]), (0, 2, 1, 3)), [BN, 32])
-    return gl.convert_layout(v, a_l)
+        return gl.inline_asm_elementwise(_E4M3X2_BF16, "=r,h,r,r", [qi, sc],
+                                         dtype=gl.bfloat16, is_pure=True, pack=2)
+    sc = _pow2_f32(code)
+    return (q.to(gl.float32) * gl.expand_dims(sc, 1)).to(gl.bfloat16)
 
 
 @gluon.jit
@@ -483,8 +440,7 @@ def dqmma(xd: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out:
           stages: int, specialized: bool = False, fast: bool | None = None, pdl: bool = False,
           prefetch: bool = False) -> None:
     """Launch the kernel: ``out [M, N]`` (bf16) from ``xd [M, K]``, the exactly dequantized bf16
-    MXFP8 activations with each 32-block's columns in :data:`FRAGMENT_ORDER`
-    (``quantize_activations(x, fragment_order=True)["deq"]``, 16-byte aligned rows); with ``split_k
+    MXFP8 activations (``quantize_activations(x)["deq"]``, 16-byte aligned rows); with ``split_k
     > 1`` fp32 partials go to ``ws [split_k, M, N]`` in the weight's physical row order, for the
     caller to sum (``reduce.py`` with ``P32`` for trtllm). ``block_n``: weight rows per program
     (64 per warpgroup: 64, 128 or 256); ``block_m``: tokens per program (16..256, a power of

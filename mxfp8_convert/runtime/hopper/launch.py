@@ -70,7 +70,7 @@ def _check_device(t: torch.Tensor) -> None:
 
 def quantize_activations(
     x: torch.Tensor, *, dequantized: bool = True, codes: bool = False, block_m: int = 32,
-    block_k: int = 128, permuted: bool = False, fragment_order: bool = False, pdl: bool = False,
+    block_k: int = 128, permuted: bool = False, pdl: bool = False,
 ) -> dict[str, torch.Tensor]:
     """Quantize ``x [M, K]`` to MXFP8 (FlashInfer's recipe) with one Triton kernel.
 
@@ -83,8 +83,6 @@ def quantize_activations(
         block_m, block_k: tile of one program.
         permuted: ``"deq"`` as float32 ``[M, 4, K/4]`` holding element ``k`` at ``(k % 4, k // 4)``
             (the order in which the GEMV kernel reads weight bytes from int32 words).
-        fragment_order: ``"deq"`` (bf16 ``[M, K]``) with the columns of each 32-block in the
-            order the dequantizing wgmma kernel reads them (``dqmma.FRAGMENT_ORDER``).
         pdl: launched as a programmatic dependent of the previous kernel in the stream (it
             waits for it before reading ``x``) that lets the next kernel launch at once (which
             must wait likewise before reading the outputs).
@@ -104,12 +102,9 @@ def quantize_activations(
     code = torch.empty((m, k // 32), dtype=torch.uint8, device=x.device) if codes else x
     block_k = min(block_k, next_pow2(k))
     grid = (cdiv(m, block_m), cdiv(k, block_k))
-    if permuted and fragment_order:
-        raise ValueError("permuted and fragment_order are two orders of 'deq': one at most")
     _quantize_kernel[grid](x, deq, q, code, m, k, x.stride(0), WRITE_DEQ=dequantized,
                            WRITE_Q=codes, BLOCK_M=block_m, BLOCK_K=block_k, PERM_DEQ=permuted,
-                           FRAG_DEQ=fragment_order, PDL=pdl, num_warps=4,
-                           enable_fp_fusion=FP_FUSION,
+                           PDL=pdl, num_warps=4, enable_fp_fusion=FP_FUSION,
                            **({"launch_pdl": True} if pdl else {}))
     if dequantized:
         out["deq"] = deq.view(m, 4, k // 4) if permuted else deq
@@ -462,7 +457,7 @@ def _launch_dqmma(
     from mxfp8_convert.runtime.hopper import dqmma
 
     m, k = x.shape
-    xd = quantize_activations(x, pdl=cfg.pdl, fragment_order=True)["deq"]
+    xd = quantize_activations(x, pdl=cfg.pdl)["deq"]
     partial = cfg.split_k > 1
     ws = (torch.empty((cfg.split_k, m, weight.shape[0]), dtype=torch.float32, device=x.device)
           if partial else None)

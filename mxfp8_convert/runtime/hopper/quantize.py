@@ -20,7 +20,7 @@ def _quantize_kernel(
     x_ptr, deq_ptr, q_ptr, code_ptr, M, K, stride_xm,
     WRITE_DEQ: tl.constexpr, WRITE_Q: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_K: tl.constexpr, PERM_DEQ: tl.constexpr = False,
-    FRAG_DEQ: tl.constexpr = False, PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False,
 ):
     if PDL:  # a programmatic dependent: ``x`` is complete and visible after the wait; the GEMM
         # after this kernel may launch at once (it waits for this one before reading ``deq``)
@@ -34,10 +34,6 @@ def _quantize_kernel(
     xf = tl.reshape(x.to(tl.float32), (BLOCK_M, BLOCK_K // 32, 32))
     deq, r, code = _mx_fake_quant(xf, 2)
     if WRITE_DEQ:
-        if FRAG_DEQ:  # within each 32-block, element 8c + 2h + p at column 8h + 2c + p (the
-            # dequantizing wgmma kernel's fragment order, dqmma.FRAGMENT_ORDER), permuted in
-            # registers so that the store stays contiguous
-            deq = tl.permute(tl.reshape(deq, (BLOCK_M, BLOCK_K // 32, 4, 4, 2)), (0, 1, 3, 2, 4))
         d = tl.reshape(deq, (BLOCK_M, BLOCK_K))
         if PERM_DEQ:  # [M, 4, K/4]: element k at (k % 4, k // 4), for the GEMV kernel's word loads
             cols = (offs_k % 4) * (K // 4) + offs_k // 4
