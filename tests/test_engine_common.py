@@ -257,3 +257,18 @@ def test_a_stored_fused_tensor_of_another_size_is_refused():
         common.fused_tensors(b, 64)
     assert common.block_tp_violation(common.FusedBlock("B", 2, 512, 384, {}), 5) == (
         "I=384 does not split in 5")
+
+
+def test_fused_blocks_are_refused_by_a_plugin_that_does_not_serve_them(tmp_path):
+    """SGLang's plug-in reads the marker without ``fused``: a checkpoint with fused MoE blocks
+    is refused in one line naming the first block; vLLM's (``fused=True``) reads it."""
+    spec = SynthSpec(layers=1, hidden=512, intermediate=1024, heads=4, kv_heads=2, vocab=256,
+                     shards=1, experts=2, moe_intermediate=256)
+    out = tmp_path / "out"
+    convert(write_checkpoint(tmp_path / "src", spec), "trtllm", out)
+    with pytest.raises(common.FormatError) as e:
+        common.read_checkpoint(out)
+    assert str(e.value) == (f"{out}/config.json: fused MoE blocks (model.layers.0.mlp.experts, "
+                            "...) are not served by this engine's mxfp8_convert plug-in yet")
+    assert e.value.hint == "serve it with vLLM or mxfp8_convert.runtime"
+    assert list(common.read_checkpoint(out, fused=True).blocks) == ["model.layers.0.mlp.experts"]
