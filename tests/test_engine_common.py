@@ -272,3 +272,18 @@ def test_fused_blocks_are_refused_by_a_plugin_that_does_not_serve_them(tmp_path)
                             "...) are not served by this engine's mxfp8_convert plug-in yet")
     assert e.value.hint == "serve it with vLLM or mxfp8_convert.runtime"
     assert list(common.read_checkpoint(out, fused=True).blocks) == ["model.layers.0.mlp.experts"]
+
+
+def test_a_marker_written_before_fused_blocks_counted_is_checked_against_them():
+    """A marker whose ``tp_compat`` did not count its fused block (the converter before this
+    rule): the block rule still applies at start-up, and the refusal names the block."""
+    b = common.FusedBlock("model.layers.0.mlp.experts", 4, 512, 384, dict(MOE_TENSORS))
+    ck = common.EngineCheckpoint("out", {"backend": "trtllm", "tp_compat": [1, 2]}, {}, 1,
+                                 {b.name: b})
+    assert ck.tp_compat == [1]
+    with pytest.raises(common.LayoutError) as e:
+        common.check_tp(ck, 2)
+    assert str(e.value) == (
+        "out: tensor parallel 2 is not in this checkpoint's tp_compat [1]: "
+        "model.layers.0.mlp.experts fused MoE block (E=4, H=512, I=384, trtllm_fused_moe) at "
+        "tensor parallel 2: I=192 per rank, not a multiple of 128")

@@ -22,8 +22,8 @@ move a token beyond TIE_TOL (measured: a MoE gap of 0.35 at one token, 0.15 once
 rounds as two ranks do; a dense llama/trtllm gap of 0.295). So at TP=2 the oracle runs those
 modules as the ranks do (conftest ``_split_linear`` and ``_split_experts``: each rank's K columns
 of every row-parallel weight, rows of every expert's gate/up, by plain indexing of the canonical
-bytes, each rank's output bf16, the ranks summed in float32, a bias on rank 0 only); everything
-else, and the tolerances, as above.
+bytes, a fused block's rank slices laid out again from them, each rank's output bf16, the ranks
+summed in float32, a bias on rank 0 only); everything else, and the tolerances, as above.
 
 A wrong slice, tile, head or part offset moves logprobs by whole units and picks tokens far
 below the oracle's argmax from the first token on (and tests/engines/test_layers.py checks the
