@@ -185,15 +185,18 @@ if __name__ == "__main__":
 
 
 def _moe_checkpoint(root, backend: str = "trtllm") -> object:
-    """A tiny Mixtral (2 experts, H=512, I=128) converted for ``backend`` (trtllm: fused MoE
-    blocks; cutlass: per-expert projections of 128 rows, whole tiles only at TP=1)."""
+    """A tiny Mixtral (2 experts, H=512, I=128) converted for ``backend`` (trtllm: a fused MoE
+    block; cutlass: per-expert projections of 128 rows; either on whole tiles only at TP=1),
+    converted once per session."""
     import torch
     import transformers
     from conftest import convert
 
-    src = root / "moe"
+    src, out = root / "moe", root / f"moe-{backend}"
+    if (out / "config.json").exists():
+        return out
     if (src / "config.json").exists():
-        return convert(src, backend, root / f"moe-{backend}")
+        return convert(src, backend, out)
     cfg = transformers.MixtralConfig(vocab_size=384, hidden_size=512, intermediate_size=128,
                                      num_hidden_layers=1, num_attention_heads=4,
                                      num_key_value_heads=1, head_dim=128, num_local_experts=2,
@@ -202,7 +205,7 @@ def _moe_checkpoint(root, backend: str = "trtllm") -> object:
     transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (src / f).write_bytes((root / "llama" / f).read_bytes())
-    return convert(src, backend, root / f"moe-{backend}")
+    return convert(src, backend, out)
 
 
 def test_start_up_refusals_are_one_line(models, tmp_path):
