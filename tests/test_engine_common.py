@@ -15,6 +15,7 @@ import torch
 
 from mxfp8_convert import convert
 from mxfp8_convert.engines import common
+from mxfp8_convert.format import MOE_TENSORS
 from mxfp8_convert.inspection import inspect_checkpoint
 from mxfp8_convert.runtime.weight import MXFP8Weight
 from mxfp8_convert.synth import SynthSpec, linear_names, write_checkpoint
@@ -179,3 +180,110 @@ def test_an_engine_without_an_experts_method_refuses_per_expert_moe(tmp_path):
     dense_ckpt = common.read_checkpoint(dense)
     assert isinstance(_quant_config(dense_ckpt, experts=False).get_quant_method(_Linear(), q),
                       common.LinearMethod)
+
+
+@pytest.mark.parametrize(("hidden", "heads", "inter", "want"),
+                         [(512, 4, 384, [1]), (1024, 8, 512, [1, 2, 4])])
+def test_fused_blocks_slice_as_the_fused_layout_of_the_canonical_slices(tmp_path, hidden, heads,
+                                                                         inter, want):
+    """A fused trtllm MoE block (docs/FORMAT.md section 3a) slices at a TP size where each rank's
+    I/tp is a multiple of 128, and the marker's ``tp_compat`` says so (the dense modules alone
+    slice at [1, 2] and [1, 2, 4]). There each rank's contiguous share of the stored ``w13``
+    rows and ``w2`` K, with their tiles (``common.fused_share``), is byte for byte the fused
+    layout (``layouts/moe.py``) of the rank's rows ``[r*I/tp, (r+1)*I/tp)`` of the source's
+    canonical up and gate and those K columns of its down. Elsewhere the block is named."""
+    from mxfp8_convert.layouts import moe as lay
+
+    spec = SynthSpec(layers=1, hidden=hidden, intermediate=1024, heads=heads, kv_heads=heads,
+                     vocab=256, shards=1, experts=2, moe_intermediate=inter)
+    src = write_checkpoint(tmp_path / "src", spec)
+    out = tmp_path / "out"
+    convert(src, "trtllm", out)
+    marker = json.loads((out / "config.json").read_text())["quantization_config"]
+    block = "model.layers.0.mlp.experts"
+    assert marker["moe"]["layers"] == [block]
+    assert marker["tp_compat"] == want
+    ckpt = common.read_checkpoint(out, fused=True)
+    assert ckpt.tp_compat == want
+    assert ckpt.blocks[block] == common.FusedBlock(block, 2, hidden, inter, dict(MOE_TENSORS))
+    for tp in common.TP_SIZES:
+        if tp not in want:
+            assert common.first_tp_violation(ckpt, tp) == (
+                f"{block} fused MoE block (E=2, H={hidden}, I={inter}, trtllm_fused_moe) at "
+                f"tensor parallel {tp}: I={inter // tp} per rank, not a multiple of 128")
+            with pytest.raises(common.LayoutError, match=f"tensor parallel {tp} is not in"):
+                common.check_tp(ckpt, tp)
+    source, stored = load_all(src)[0], load_all(out)[0]
+
+    def canon(leaf, suffix):
+        return torch.stack([source[f"{block}.{e}.{leaf}.{suffix}"] for e in range(2)])
+
+    up, gate, down = (canon(leaf, "weight").view(torch.uint8)
+                      for leaf in ("up_proj", "gate_proj", "down_proj"))
+    up_s, gate_s, down_s = (canon(leaf, "weight_scale_inv")
+                            for leaf in ("up_proj", "gate_proj", "down_proj"))
+    for tp in want:
+        step = inter // tp
+        b = common.FusedBlock(block, 2, hidden, step, dict(MOE_TENSORS))
+        for rank in range(tp):
+            rows, cols = slice(rank * step, (rank + 1) * step), slice(rank * step // 32,
+                                                                      (rank + 1) * step // 32)
+            expect = {
+                "moe_fc1_weight": lay.moe_fc1_weight_from_canonical(up[:, rows], gate[:, rows]),
+                "moe_fc1_scale": lay.moe_fc1_scale_from_canonical(up_s[:, rows],
+                                                                  gate_s[:, rows]),
+                "moe_fc2_weight": lay.moe_fc2_weight_from_canonical(
+                    down[:, :, rows].contiguous()),
+                "moe_fc2_scale": lay.moe_fc2_scale_from_canonical(
+                    down_s[:, :, cols].contiguous()),
+            }
+            for role, name, dest in common.fused_tensors(b, step):
+                got = common.fused_share(stored[f"{block}.{name}"], dest, role, rank, tp, name)
+                assert torch.equal(got.view(torch.uint8), expect[role]), (tp, rank, role)
+
+
+def test_a_stored_fused_tensor_of_another_size_is_refused():
+    """A stored fused tensor that is not TP shares of the rank's parameter, a per-rank I off the
+    tiles, an I that does not divide: one line each."""
+    b = common.FusedBlock("B", 2, 512, 128, dict(MOE_TENSORS))
+    (_, _, w13), *_ = common.fused_tensors(b, 128)
+    assert list(w13.shape) == [2, 256, 512]
+    stored = torch.zeros(2, 384, 512, dtype=torch.float8_e4m3fn)
+    with pytest.raises(common.LayoutError, match=r"^B.w13_weight: stored torch.float8_e4m3fn "
+                       r"\[2, 384, 512\] is not 2 shares of the rank's torch.float8_e4m3fn "
+                       r"\[2, 256, 512\]$"):
+        common.fused_share(stored, w13, "moe_fc1_weight", 0, 2, "B.w13_weight")
+    with pytest.raises(common.LayoutError, match="B: per-rank I=64: "):
+        common.fused_tensors(b, 64)
+    assert common.block_tp_violation(common.FusedBlock("B", 2, 512, 384, {}), 5) == (
+        "I=384 does not split in 5")
+
+
+def test_fused_blocks_are_refused_by_a_plugin_that_does_not_serve_them(tmp_path):
+    """SGLang's plug-in reads the marker without ``fused``: a checkpoint with fused MoE blocks
+    is refused in one line naming the first block; vLLM's (``fused=True``) reads it."""
+    spec = SynthSpec(layers=1, hidden=512, intermediate=1024, heads=4, kv_heads=2, vocab=256,
+                     shards=1, experts=2, moe_intermediate=256)
+    out = tmp_path / "out"
+    convert(write_checkpoint(tmp_path / "src", spec), "trtllm", out)
+    with pytest.raises(common.FormatError) as e:
+        common.read_checkpoint(out)
+    assert str(e.value) == (f"{out}/config.json: fused MoE blocks (model.layers.0.mlp.experts, "
+                            "...) are not served by this engine's mxfp8_convert plug-in yet")
+    assert e.value.hint == "serve it with vLLM or mxfp8_convert.runtime"
+    assert list(common.read_checkpoint(out, fused=True).blocks) == ["model.layers.0.mlp.experts"]
+
+
+def test_a_marker_written_before_fused_blocks_counted_is_checked_against_them():
+    """A marker whose ``tp_compat`` did not count its fused block (the converter before this
+    rule): the block rule still applies at start-up, and the refusal names the block."""
+    b = common.FusedBlock("model.layers.0.mlp.experts", 4, 512, 384, dict(MOE_TENSORS))
+    ck = common.EngineCheckpoint("out", {"backend": "trtllm", "tp_compat": [1, 2]}, {}, 1,
+                                 {b.name: b})
+    assert ck.tp_compat == [1]
+    with pytest.raises(common.LayoutError) as e:
+        common.check_tp(ck, 2)
+    assert str(e.value) == (
+        "out: tensor parallel 2 is not in this checkpoint's tp_compat [1]: "
+        "model.layers.0.mlp.experts fused MoE block (E=4, H=512, I=384, trtllm_fused_moe) at "
+        "tensor parallel 2: I=192 per rank, not a multiple of 128")

@@ -19,7 +19,10 @@ Engine-independent; ``engines/vllm.py`` and ``engines/sglang.py`` add only their
   ``QuantizationConfig``, which vLLM and SGLang name alike): a rank's parameters, their
   loading, the wrap after loading, ``apply`` and the per-module choice of method;
 - :class:`ExpertsMethod` / :func:`expert_tensors`: the same for the per-expert projections of a
-  fused-MoE layer (an engine's ``w13`` / ``w2`` parameters, the shard ids w1 / w3 / w2).
+  fused-MoE layer (an engine's ``w13`` / ``w2`` parameters, the shard ids w1 / w3 / w2);
+- :class:`FusedExpertsMethod` / :func:`fused_tensors`: the same for a fused trtllm MoE block
+  (docs/FORMAT.md section 3a): each rank's contiguous rows of every expert's ``w13`` and K of
+  its ``w2``, which are themselves the fused layout of the rank's intermediate slice.
 
 This module imports no torch at import time (the converter uses :func:`tp_compat`).
 """
@@ -27,7 +30,7 @@ This module imports no torch at import time (the converter uses :func:`tp_compat
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -37,6 +40,7 @@ from mxfp8_convert.format import (
     CANONICAL_LAYOUT,
     CANONICAL_SUFFIX,
     META_TENSORS,
+    MOE_LAYOUT,
     QUANT_METHOD,
     SWIZZLED_SUFFIX,
     Marker,
@@ -100,6 +104,36 @@ def expert_of(name: str) -> tuple[str, int] | None:
 
 
 @dataclass(frozen=True, slots=True)
+class FusedBlock:
+    """One fused trtllm MoE block of a checkpoint (docs/FORMAT.md section 3a), as stored.
+
+    ``tensors``: role (``moe_fc1_weight``, ...) -> the name suffix of its tensor (the marker's).
+    A rank of ``tp`` holds every expert's intermediate rows ``[r*I/tp, (r+1)*I/tp)``: the
+    contiguous rows ``[2r*I/tp, 2(r+1)*I/tp)`` of ``w13`` (and their scale tiles) and the K
+    columns ``[r*I/tp, (r+1)*I/tp)`` of ``w2`` (and their tile columns).
+    """
+
+    name: str  # e.g. model.layers.0.block_sparse_moe.experts
+    experts: int
+    hidden: int
+    inter: int
+    tensors: dict[str, str]
+
+
+def block_tp_violation(b: FusedBlock, tp: int) -> str | None:
+    """Why fused block ``b`` cannot be sliced for ``tp`` ranks on tile boundaries (``None``: it
+    can): each rank's I must be a fused block itself (a multiple of 128: 2I/tp rows of ``w13``
+    in whole P32 groups and scale tiles, I/tp K columns of ``w2`` in whole tiles)."""
+    from mxfp8_convert.layouts.moe import MOE_ALIGN
+
+    if b.inter % tp:
+        return f"I={b.inter} does not split in {tp}"
+    if (b.inter // tp) % MOE_ALIGN:
+        return f"I={b.inter // tp} per rank, not a multiple of {MOE_ALIGN}"
+    return None
+
+
+@dataclass(frozen=True, slots=True)
 class Grid:
     """How indices of one stored tensor map to weight elements, and where a slice may start.
 
@@ -136,12 +170,14 @@ class EngineCheckpoint:
         marker: config.json's ``quantization_config``.
         modules: quantized linear modules by name (``model.layers.0.self_attn.q_proj``).
         num_kv_heads: the config's ``num_key_value_heads`` (``None``: not given).
+        blocks: fused MoE blocks by name (the marker's ``moe.layers``, shapes from the headers).
     """
 
     path: Path
     marker: dict
     modules: dict[str, Module]
     num_kv_heads: int | None
+    blocks: dict[str, FusedBlock] = field(default_factory=dict)
 
     @property
     def backend(self) -> str:
@@ -149,11 +185,14 @@ class EngineCheckpoint:
 
     @property
     def tp_compat(self) -> list[int]:
-        """The marker's ``tp_compat``; computed from the headers for a version-1 marker."""
+        """The marker's ``tp_compat`` (computed from the headers for a version-1 marker), less
+        the sizes a fused block does not slice at (a marker written before blocks counted)."""
         sizes = self.marker.get("tp_compat")
         if sizes is None:
-            return tp_compat(self.modules.values(), self.num_kv_heads, self.backend)
-        return list(sizes)
+            return tp_compat(self.modules.values(), self.num_kv_heads, self.backend,
+                             self.blocks.values())
+        return [tp for tp in sizes
+                if all(block_tp_violation(b, tp) is None for b in self.blocks.values())]
 
 
 def config_kv_heads(config: dict) -> int | None:
@@ -163,25 +202,49 @@ def config_kv_heads(config: dict) -> int | None:
     return kv if isinstance(kv, int) and kv > 0 else None
 
 
-def check_marker(marker: dict, where: str) -> dict:
-    """Check a ``quantization_config`` dict with the runtime's marker rules; refuse fused MoE.
+def check_marker(marker: dict, where: str, fused: bool = False) -> dict:
+    """Check a ``quantization_config`` dict with the runtime's marker rules; refuse fused MoE
+    blocks unless the engine's plug-in serves them (``fused``).
 
     Raises:
         MarkerError: not our marker, unknown ``format_version``, layout names that do not match.
-        FormatError: the checkpoint holds fused MoE blocks (not served by the plug-ins yet).
+        FormatError: the checkpoint holds fused MoE blocks and ``fused`` is off.
     """
     parsed = Marker.parse(marker, where)
-    if parsed.moe is not None:
+    if parsed.moe is not None and not fused:
         first = (parsed.moe.layers or ("?",))[0]
         raise FormatError(
-            f"{where}: fused MoE blocks ({first}, ...) are not served by the engine plug-ins yet",
-            hint="serve it with mxfp8_convert.runtime, or convert with --moe keep",
+            f"{where}: fused MoE blocks ({first}, ...) are not served by this engine's "
+            "mxfp8_convert plug-in yet",
+            hint="serve it with vLLM or mxfp8_convert.runtime",
         )
     return marker
 
 
-def read_checkpoint(path: str | Path) -> EngineCheckpoint:
-    """Check a converted folder as the runtime does and list its quantized modules (headers only).
+def read_blocks(ckpt, marker: dict, where: str) -> dict[str, FusedBlock]:
+    """The fused MoE blocks the marker lists, each checked against the shard headers
+    (``ckpt``: the folder's ``open_checkpoint``).
+
+    Raises:
+        LayoutError: a block's tensor missing, or a dtype or shape that does not fit the others.
+    """
+    from mxfp8_convert.plan.moe import fused_moe_shape
+
+    moe = Marker.parse(marker, where).moe
+    if moe is None:
+        return {}
+    names = moe.tensor_names()
+    out = {}
+    for block in moe.layers:
+        found = {role: ckpt.tensors.get(f"{block}.{suffix}") for role, suffix in names.items()}
+        e, h, i = fused_moe_shape(block, found)
+        out[block] = FusedBlock(block, e, h, i, names)
+    return out
+
+
+def read_checkpoint(path: str | Path, fused: bool = False) -> EngineCheckpoint:
+    """Check a converted folder as the runtime does and list its quantized modules and fused
+    MoE blocks (headers only); ``fused``: the engine's plug-in serves fused blocks.
 
     Raises:
         SourceError / MarkerError / FormatError / LayoutError: one line naming the file or module.
@@ -190,7 +253,7 @@ def read_checkpoint(path: str | Path) -> EngineCheckpoint:
     from mxfp8_convert.runtime.load import read_marker
 
     root = Path(path)
-    marker = check_marker(read_marker(root), f"{root}/config.json")
+    marker = check_marker(read_marker(root), f"{root}/config.json", fused=fused)
     ckpt = open_checkpoint(root)
     records: dict[str, dict] = {}
     for header in ckpt.shards.values():
@@ -212,7 +275,8 @@ def read_checkpoint(path: str | Path) -> EngineCheckpoint:
         if weight is None or len(weight.shape) != 2:
             raise LayoutError(f"{info.file}: {name} has no 2-D weight {prefix}.weight beside it")
         modules[prefix] = Module(prefix, weight.shape[0], weight.shape[1], layout)
-    return EngineCheckpoint(root, marker, modules, config_kv_heads(ckpt.config or {}))
+    return EngineCheckpoint(root, marker, modules, config_kv_heads(ckpt.config or {}),
+                            read_blocks(ckpt, marker, f"{root}/config.json"))
 
 
 def _rank_rows(m: Module, tp: int, num_kv_heads: int | None) -> tuple[int, str | None]:
@@ -261,16 +325,26 @@ def tp_violation(m: Module, tp: int, num_kv_heads: int | None, backend: str) -> 
     return "; ".join(problems) or None
 
 
-def tp_compat(modules, num_kv_heads: int | None, backend: str) -> list[int]:
-    """The sizes of :data:`TP_SIZES` at which every module slices (see :func:`tp_violation`)."""
-    modules = list(modules)
+def tp_compat(modules, num_kv_heads: int | None, backend: str, blocks=()) -> list[int]:
+    """The sizes of :data:`TP_SIZES` at which every module and fused MoE block slices (see
+    :func:`tp_violation`, :func:`block_tp_violation`)."""
+    modules, blocks = list(modules), list(blocks)
     return [tp for tp in TP_SIZES
-            if all(tp_violation(m, tp, num_kv_heads, backend) is None for m in modules)]
+            if all(tp_violation(m, tp, num_kv_heads, backend) is None for m in modules)
+            and all(block_tp_violation(b, tp) is None for b in blocks)]
 
 
 def first_tp_violation(ckpt: EngineCheckpoint, tp: int) -> str | None:
-    """One line naming the first module (in name order) that ``tp`` ranks cannot slice."""
-    for name in sorted(ckpt.modules):
+    """One line naming the first module or fused MoE block (in name order) that ``tp`` ranks
+    cannot slice."""
+    for name in sorted({*ckpt.modules, *ckpt.blocks}):
+        if name in ckpt.blocks:
+            b = ckpt.blocks[name]
+            why = block_tp_violation(b, tp)
+            if why:
+                return (f"{name} fused MoE block (E={b.experts}, H={b.hidden}, I={b.inter}, "
+                        f"{MOE_LAYOUT}) at tensor parallel {tp}: {why}")
+            continue
         m = ckpt.modules[name]
         why = tp_violation(m, tp, ckpt.num_kv_heads, ckpt.backend)
         if why:
@@ -711,12 +785,160 @@ class ExpertsMethod:
         return self.experts(x, topk_ids, topk_weights)
 
 
+#: role of a fused block's tensor -> (dim a rank's share is cut along, weight rows or K columns
+#: per index of that dim): w13 by its rows (dim 1; tiles of 128 rows for the scale), w2 by K
+#: (dim 2; tiles of 128 K columns for the scale).
+FUSED_SHARES = {"moe_fc1_weight": (1, 1), "moe_fc1_scale": (1, TILE),
+                "moe_fc2_weight": (2, 1), "moe_fc2_scale": (2, TILE)}
+
+
+def fused_tensors(block: FusedBlock, inter: int):
+    """The empty per-rank tensors of fused block ``block`` in their final layout, this rank's I
+    ``inter``: ``[(role, name, tensor), ...]`` under the checkpoint's tensor names (the
+    marker's ``moe.tensors``): ``w13_weight`` e4m3 ``[E, 2I, H]``, its scale tiles
+    ``[E, 2I/128, H/128, 512]``, ``w2_weight`` ``[E, H, I]``, its tiles ``[E, H/128, I/128, 512]``.
+
+    Raises:
+        LayoutError: ``inter`` is not a fused block's I (a multiple of 128).
+    """
+    from mxfp8_convert._lazy import torch
+    from mxfp8_convert.layouts.moe import (
+        moe_fc1_scale_shape,
+        moe_fc1_weight_shape,
+        moe_fc2_scale_shape,
+        moe_fc2_weight_shape,
+    )
+
+    e, h = block.experts, block.hidden
+    f8, u8 = torch.float8_e4m3fn, torch.uint8
+    shapes = {"moe_fc1_weight": (moe_fc1_weight_shape, f8),
+              "moe_fc1_scale": (moe_fc1_scale_shape, u8),
+              "moe_fc2_weight": (moe_fc2_weight_shape, f8),
+              "moe_fc2_scale": (moe_fc2_scale_shape, u8)}
+    try:
+        return [(role, block.tensors[role], torch.zeros(shape(h, inter, e), dtype=dtype))
+                for role, (shape, dtype) in shapes.items()]
+    except LayoutError as err:
+        raise LayoutError(f"{block.name}: per-rank I={inter}: {err}") from None
+
+
+def fused_share(stored: torch.Tensor, dest: torch.Tensor, role: str, rank: int, ranks: int,
+                what: str) -> torch.Tensor:
+    """Rank ``rank``'s share of a stored fused-block tensor of ``role`` (all experts): the
+    contiguous slice of :data:`FUSED_SHARES`'s dim that ``dest`` (the rank's parameter) holds, a
+    view; the stored tensor must be ``ranks`` such shares and agree with ``dest`` elsewhere.
+
+    Raises:
+        LayoutError: the stored tensor is not ``ranks`` shares of ``dest``.
+    """
+    dim, _ = FUSED_SHARES[role]
+    want = list(dest.shape)
+    want[dim] *= ranks
+    if list(stored.shape) != want or stored.element_size() != 1:
+        raise LayoutError(f"{what}: stored {stored.dtype} {list(stored.shape)} is not {ranks} "
+                          f"shares of the rank's {dest.dtype} {list(dest.shape)}")
+    size = dest.shape[dim]
+    return stored.narrow(dim, rank * size, size)
+
+
+class FusedExpertsMethod:
+    """A fused trtllm MoE block of a checkpoint (docs/FORMAT.md section 3a), mixed into the
+    engine's MoE method base.
+
+    Each rank holds every expert's intermediate rows ``[r*I/R, (r+1)*I/R)``: the contiguous rows
+    ``[2r*I/R, 2(r+1)*I/R)`` of each expert's stored ``w13`` (cat([up, gate]) interleaved then
+    P32 moves rows only within 32-row groups, and group ``b`` holds rows ``16b .. 16b+15`` of
+    both halves, so that block is the fused layout of the rank's I/R rows of up and gate) with
+    their scale tiles, and the K columns ``[r*I/R, (r+1)*I/R)`` of each expert's ``w2`` with
+    their tile columns. The parameters are created in that final layout (:func:`fused_tensors`)
+    and filled by :meth:`load_fused` with the rank's slice of each stored tensor, bytes as
+    stored. After loading they are wrapped without a copy in the runtime's ``MXFP8MoEWeights``
+    and run by its fused ``MXFP8Experts`` (the code ``load_into`` uses: FlashInfer's trtllm-gen
+    MoE on the SM100 family, Triton on Hopper, the exact reference on CPU); routing is the
+    engine's.
+
+    The adapter gives :meth:`layer_tp` (the layer's TP rank and size) and :meth:`register`.
+    """
+
+    def __init__(self, config, block: FusedBlock, prefix: str):
+        self.config = config
+        self.block = block
+        self.prefix = prefix
+        self.loaded: set[str] = set()
+        self.experts = None
+
+    @staticmethod
+    def layer_tp(layer) -> tuple[int, int]:
+        raise NotImplementedError
+
+    def register(self, layer, tensors) -> None:
+        """Register ``tensors`` (``[(name, tensor), ...]``) on ``layer`` as the engine's
+        parameters, each filled by :meth:`load_fused` from the stored tensor of that name."""
+        raise NotImplementedError
+
+    def create_weights(self, layer, num_experts: int, hidden_size: int,
+                       intermediate_size_per_partition: int, params_dtype, **extra):
+        b = self.block
+        if (num_experts, hidden_size) != (b.experts, b.hidden):
+            raise LayoutError(f"{self.prefix}: the engine's layer has E={num_experts}, "
+                              f"H={hidden_size}; the stored block E={b.experts}, H={b.hidden}")
+        tensors = fused_tensors(b, intermediate_size_per_partition)
+        layer.mxfp8_roles = {name: role for role, name, _ in tensors}
+        self.register(layer, [(name, t) for _, name, t in tensors])
+
+    def load_fused(self, layer, name: str, loaded: torch.Tensor) -> None:
+        """Stored tensor ``name`` of the block (all experts) into the layer's parameter of that
+        name: the rank's share (:func:`fused_share`), bytes as stored."""
+        from mxfp8_convert._lazy import torch
+
+        dest = getattr(layer, name).data
+        rank, ranks = self.layer_tp(layer)
+        what = f"{self.prefix}.{name}"
+        src = fused_share(loaded, dest, layer.mxfp8_roles[name], rank, ranks, what)
+        dest.view(torch.uint8).copy_(src.view(torch.uint8))
+        self.loaded.add(name)
+
+    def check_loaded(self, layer) -> None:
+        """Refuse a parameter the loads did not fill (a stored tensor missing or misnamed).
+
+        Raises:
+            LayoutError: names the first parameter left unfilled.
+        """
+        missing = [n for n in layer.mxfp8_roles if n not in self.loaded]
+        if missing:
+            raise LayoutError(f"{self.prefix}: {missing[0]} was not loaded from the checkpoint",
+                              hint="is the tensor missing or misnamed?")
+
+    def process_weights_after_loading(self, layer) -> None:
+        """No copy, no re-layout: the loaded parameters as the runtime's ``MXFP8MoEWeights``,
+        run by its fused ``MXFP8Experts``."""
+        from mxfp8_convert.runtime.experts import MXFP8Experts
+        from mxfp8_convert.runtime.moe import MXFP8MoEWeights
+
+        self.check_loaded(layer)
+        by_role = {role: getattr(layer, name).data for name, role in layer.mxfp8_roles.items()}
+        w13 = by_role["moe_fc1_weight"]
+        weights = MXFP8MoEWeights(w13, by_role["moe_fc1_scale"], by_role["moe_fc2_weight"],
+                                  by_role["moe_fc2_scale"], self.block.hidden,
+                                  w13.shape[1] // 2, self.prefix)
+        self.experts = MXFP8Experts.fused(weights, engine=engine_for(w13.device, "trtllm"))
+
+    def run_experts(self, x: torch.Tensor, topk_weights: torch.Tensor,
+                    topk_ids: torch.Tensor) -> torch.Tensor:
+        """``sum_k w[t, k] * expert_{ids[t, k]}(x[t])`` on this rank's share, in ``x``'s dtype
+        (the engine reduces the ranks' partial sums)."""
+        return self.experts(x, topk_ids, topk_weights)
+
+
 class QuantConfig:
     """``quant_method: "mxfp8_convert"``: a checkpoint written by mxfp8-convert (docs/FORMAT.md);
     mixed into the engine's ``QuantizationConfig``.
 
     The adapter sets :attr:`linear_base` (the engine's ``LinearBase``), :attr:`linear_method`
-    and :attr:`unquantized` (its method classes), gives :meth:`tp_size` and fills
+    and :attr:`unquantized` (its method classes), and where it serves MoE
+    :attr:`experts_base` (its fused-MoE layer class), :attr:`experts_method` (per-expert
+    projections) and :attr:`fused_experts_method` (fused trtllm blocks); it gives
+    :meth:`tp_size` and fills
     :attr:`checkpoint` (:func:`read_checkpoint` of the model folder) when the engine says where
     the folder is. ``packed_modules_mapping`` is the engine's (set by it per model).
     """
@@ -726,6 +948,7 @@ class QuantConfig:
     unquantized: type
     experts_base: type | None = None
     experts_method: type | None = None
+    fused_experts_method: type | None = None
     checkpoint: EngineCheckpoint | None = None
     _tp_checked: int | None = None
 
@@ -789,7 +1012,8 @@ class QuantConfig:
 
     def _check_tp(self) -> None:
         """Once per TP size: the checkpoint's ``tp_compat``, and that this engine's plug-in can
-        run its experts (per-expert projections need :attr:`experts_method`)."""
+        run its experts (per-expert projections need :attr:`experts_method`; fused blocks are
+        refused by :func:`check_marker` for an engine without :attr:`fused_experts_method`)."""
         tp = self.tp_size()
         if self._tp_checked != tp:
             ckpt = self.engine_checkpoint()
@@ -802,17 +1026,21 @@ class QuantConfig:
             self._tp_checked = tp
 
     def get_quant_method(self, layer, prefix: str):
-        """Our method for a quantized linear layer or fused-MoE layer's experts (the TP size
-        checked once against ``tp_compat``), the engine's unquantized one for a linear layer
-        kept unquantized, ``None`` (the engine's own) for anything else."""
+        """Our method for a quantized linear layer or fused-MoE layer's experts (per-expert
+        projections, or a fused block; the TP size checked once against ``tp_compat``), the
+        engine's unquantized one for a linear layer kept unquantized, ``None`` (the engine's
+        own) for anything else."""
         if self.experts_base is not None and isinstance(layer, self.experts_base):
             self._check_tp()
-            layout = self.experts_layout(prefix)
-            if layout is None:
+            block = self.engine_checkpoint().blocks.get(prefix)
+            layout = None if block is not None else self.experts_layout(prefix)
+            if block is None and layout is None:
                 return None
             why = self.experts_refusal(layer)
             if why:
                 raise LayoutError(f"{prefix}: {why}", hint="serve it at tensor parallel only")
+            if block is not None:
+                return self.fused_experts_method(self, block, prefix, layer)
             return self.experts_method(self, layout, prefix, layer)
         if not isinstance(layer, self.linear_base):
             return None

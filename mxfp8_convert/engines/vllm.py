@@ -11,17 +11,20 @@ copy, in the runtime's ``MXFP8Weight``. All of that is ``engines/common.py``'s
 file states only vLLM's API: its base classes and registration decorators, its TP size, its
 FlashInfer route, and that vLLM hands over the marker first and the model folder after.
 
-MoE checkpoints whose experts are stored per expert (cutlass, trtllm ``--moe keep``) are served
-through vLLM's fused-MoE layer (``RoutedExperts``) by :class:`MXFP8ConvertExpertsMethod`
+MoE checkpoints are served through vLLM's fused-MoE layer (``RoutedExperts``): experts stored
+per expert (cutlass, trtllm ``--moe keep``) by :class:`MXFP8ConvertExpertsMethod`
 (``common.ExpertsMethod``): each rank's ``w13`` (every expert's gate rows, then its up rows) and
 ``w2`` (its K of down) in their final layout, the same loading by tiles, and the runtime's
-``MXFP8Experts`` on views of them; vLLM routes, runs the shared experts and all-reduces.
+``MXFP8Experts`` on views of them; fused trtllm blocks (docs/FORMAT.md section 3a) by
+:class:`MXFP8ConvertFusedExpertsMethod` (``common.FusedExpertsMethod``): each rank's contiguous
+share of the stored ``w13`` rows and ``w2`` K, its tiles, run by the runtime's fused
+``MXFP8Experts``. vLLM routes, runs the shared experts and all-reduces.
 
 Where it runs: the marker's backend through FlashInfer ``mm_mxfp8`` on the SM100 family (vLLM's
 own ``vllm::mm_mxfp8`` op), our Triton kernels on Hopper, the exact reference on CPU; chosen once
 per layer. Refused at start-up, one line each: a folder without the completion marker, an
-unknown ``format_version``, fused MoE blocks, a tensor-parallel size outside ``tp_compat``,
-expert parallelism.
+unknown ``format_version``, a tensor-parallel size outside ``tp_compat`` (a fused block whose
+I/tp is not a multiple of 128 included), expert parallelism.
 """
 
 from __future__ import annotations
@@ -121,6 +124,55 @@ class MXFP8ConvertExpertsMethod(common.ExpertsMethod, FusedMoEMethodBase):
         return self.run_experts(x, topk_weights, topk_ids)
 
 
+class MXFP8ConvertFusedExpertsMethod(common.FusedExpertsMethod, FusedMoEMethodBase):
+    """A fused trtllm MoE block (``common.FusedExpertsMethod``) as vLLM's MoE method, called as
+    :class:`MXFP8ConvertExpertsMethod` is.
+
+    vLLM's ``RoutedExperts.load_weights`` reads a 3-D ``experts.w13*`` tensor as every expert's
+    ``[gate; up]`` halves (``chunk(2, dim=1)``; Mixtral's names map ``w13_weight`` to a
+    ``w13_weight_weight`` it does not have, Qwen's match nothing), which is not this layout. So
+    the layer's ``load_weights`` is wrapped: the block's four stored tensors (named as the
+    parameters, ``w13_weight``, ...) go to :meth:`load_fused`, anything else to vLLM's.
+    """
+
+    def __init__(self, config, block: common.FusedBlock, prefix: str, layer):
+        FusedMoEMethodBase.__init__(self, layer.moe_config)
+        common.FusedExpertsMethod.__init__(self, config, block, prefix)
+
+    @staticmethod
+    def layer_tp(layer) -> tuple[int, int]:
+        return layer.moe_config.tp_rank, layer.moe_config.tp_size
+
+    def register(self, layer, tensors) -> None:
+        for name, data in tensors:
+            layer.register_parameter(name, torch.nn.Parameter(data, requires_grad=False))
+        ours = {name for name, _ in tensors}
+        engine_load = layer.load_weights
+
+        def load_weights(weights):
+            taken = []
+
+            def others():
+                for name, loaded in weights:
+                    if name in ours:
+                        self.load_fused(layer, name, loaded)
+                        taken.append(name)
+                    else:
+                        yield name, loaded
+
+            yield from engine_load(others())
+            yield from taken
+
+        layer.load_weights = load_weights
+
+    def get_fused_moe_quant_config(self, layer):
+        return None
+
+    def apply(self, layer, x: torch.Tensor, topk_weights: torch.Tensor, topk_ids: torch.Tensor,
+              shared_experts=None, shared_experts_input=None) -> torch.Tensor:
+        return self.run_experts(x, topk_weights, topk_ids)
+
+
 @register_quantization_config(QUANT_METHOD)
 class MXFP8ConvertConfig(common.QuantConfig, QuantizationConfig):
     """``quant_method: "mxfp8_convert"`` (``common.QuantConfig``) as a vLLM quantization config.
@@ -134,6 +186,7 @@ class MXFP8ConvertConfig(common.QuantConfig, QuantizationConfig):
     unquantized = UnquantizedLinearMethod
     experts_base = RoutedExperts
     experts_method = MXFP8ConvertExpertsMethod
+    fused_experts_method = MXFP8ConvertFusedExpertsMethod
 
     def __init__(self, marker: dict):
         super().__init__()
@@ -141,11 +194,12 @@ class MXFP8ConvertConfig(common.QuantConfig, QuantizationConfig):
 
     @classmethod
     def from_config(cls, config: dict[str, Any]) -> MXFP8ConvertConfig:
-        return cls(common.check_marker(dict(config), "config.json quantization_config"))
+        return cls(common.check_marker(dict(config), "config.json quantization_config",
+                                       fused=True))
 
     def maybe_update_config(self, model_name: str, hf_config=None, revision=None) -> None:
         """Check the folder as the runtime does (completion marker first) and list its modules."""
-        self.checkpoint = common.read_checkpoint(model_name)
+        self.checkpoint = common.read_checkpoint(model_name, fused=True)
 
     @staticmethod
     def tp_size() -> int:

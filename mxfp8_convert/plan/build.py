@@ -416,7 +416,7 @@ def build_plan(
         | {m.name for m in modules if m.action == "dequantize"}
     )
     mxfp8 = [m for m in modules if m.action in MXFP8_ACTIONS]
-    tp = marker_tp_compat(ckpt, mxfp8, backend) if backend.laid_out else None
+    tp = marker_tp_compat(ckpt, mxfp8, backend, layers) if backend.laid_out else None
     marker = quantization_config(ckpt, backend, fmt, left, layers, tp, kv)
     return ConversionPlan(
         source=str(ckpt.root),
@@ -438,16 +438,25 @@ def build_plan(
     )
 
 
-def marker_tp_compat(ckpt: SourceCheckpoint, modules, backend: BackendSpec) -> list[int]:
+def marker_tp_compat(ckpt: SourceCheckpoint, modules, backend: BackendSpec,
+                     layers=()) -> list[int]:
     """The marker's ``tp_compat`` (docs/FORMAT.md section 2a): tensor-parallel sizes at which
-    every quantized linear module slices on tile boundaries."""
-    from mxfp8_convert.engines.common import CANONICAL, Module, config_kv_heads, tp_compat
+    every quantized linear module and every fused MoE block (``layers``) slices on tile
+    boundaries."""
+    from mxfp8_convert.engines.common import (
+        CANONICAL,
+        FusedBlock,
+        Module,
+        config_kv_heads,
+        tp_compat,
+    )
 
     mods = [
         Module(m.name, m.n, m.k, CANONICAL if m.layout == "canonical" else backend.name)
         for m in modules
     ]
-    return tp_compat(mods, config_kv_heads(ckpt.config or {}), backend.name)
+    blocks = [FusedBlock(b.name, b.experts, b.hidden, b.intermediate, {}) for b in layers]
+    return tp_compat(mods, config_kv_heads(ckpt.config or {}), backend.name, blocks)
 
 
 def _original_config(ckpt: SourceCheckpoint) -> dict | None:

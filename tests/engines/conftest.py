@@ -65,7 +65,7 @@ def models(tmp_path_factory) -> dict:
     """Sources and their trtllm / cutlass conversions: ``{(kind, backend): folder}``; one with a
     module kept canonical (``trtllm-keep``); a MoE model with per-expert projections (cutlass,
     and trtllm ``--moe keep``: ``trtllm-moe-keep``, its experts canonical; Qwen2-MoE, with a
-    shared expert, cutlass)."""
+    shared expert, cutlass) and with fused trtllm MoE blocks (``trtllm``: Mixtral, Qwen3-MoE)."""
     root = tmp_path_factory.mktemp("models")
     out = {}
     for kind in ("llama", "qwen2"):
@@ -84,9 +84,13 @@ def models(tmp_path_factory) -> dict:
     out[("mixtral", "cutlass")] = convert(src, "cutlass", root / "mixtral-cutlass")
     out[("mixtral", "trtllm-moe-keep")] = convert(src, "trtllm", root / "mixtral-trtllm-moe-keep",
                                                   "--moe", "keep")
+    out[("mixtral", "trtllm")] = convert(src, "trtllm", root / "mixtral-trtllm")  # fused blocks
     src = tiny_models.build("qwen2_moe", root / "qwen2_moe")
     out[("qwen2_moe", "source")] = src
     out[("qwen2_moe", "cutlass")] = convert(src, "cutlass", root / "qwen2_moe-cutlass")
+    src = tiny_models.build("qwen3_moe", root / "qwen3_moe")
+    out[("qwen3_moe", "source")] = src
+    out[("qwen3_moe", "trtllm")] = convert(src, "trtllm", root / "qwen3_moe-trtllm")
     return out
 
 
@@ -131,12 +135,18 @@ def _k_ranks(weight, tp: int) -> list:
 def _split_experts(experts, tp: int):
     """``experts`` (the runtime's ``MXFP8Experts``) run as ``tp`` tensor-parallel ranks would:
     each rank the rows ``[r*I/tp, (r+1)*I/tp)`` of every gate and up and those K of every down
-    (plain indexing of the canonical bytes), its output rounded to bf16, the ranks summed in
-    float32 (the all-reduce)."""
+    (plain indexing of the canonical bytes; a fused block's laid out again from them), its
+    output rounded to bf16, the ranks summed in float32 (the all-reduce)."""
     from mxfp8_convert.runtime.experts import EXPERT_ROLES, MXFP8Experts
     from mxfp8_convert.runtime.weight import MXFP8Weight
 
     step = experts.intermediate // tp
+    if experts.kind == "fused":
+        ranks = [MXFP8Experts.fused(_fused_rank(experts, r * step, step), engine="reference")
+                 for r in range(tp)]
+        experts.forward = lambda x, ids, w: sum(rank(x, ids, w).float()
+                                                for rank in ranks).to(x.dtype)
+        return
     ranks = [{} for _ in range(tp)]
     for e in range(experts.num_experts):
         for role in EXPERT_ROLES:
@@ -156,6 +166,20 @@ def _split_experts(experts, tp: int):
         return sum(rank(x, ids, w).float() for rank in ranks).to(x.dtype)
 
     experts.forward = forward
+
+
+def _fused_rank(experts, start: int, size: int):
+    """The rows ``[start, start + size)`` of every expert's up and gate and those K columns of
+    its down, cut from the canonical bytes of a fused block (``MXFP8MoEWeights.canonical``) and
+    laid out again with ``MXFP8MoEWeights.from_canonical``."""
+    from mxfp8_convert.runtime.moe import MXFP8MoEWeights
+
+    c = experts.mx_weights().canonical()
+    rows, cols = slice(start, start + size), slice(start // 32, (start + size) // 32)
+    up, gate = ((q[:, rows].contiguous(), s[:, rows].contiguous())
+                for q, s in (c["up"], c["gate"]))
+    down = (c["down"][0][:, :, rows].contiguous(), c["down"][1][:, :, cols].contiguous())
+    return MXFP8MoEWeights.from_canonical(up, gate, down, experts.name)
 
 
 def _split_linear(linear, tp: int):

@@ -180,6 +180,11 @@ class _RoutedExperts(torch.nn.Module):
     def _map_global_expert_id_to_local_expert_id(expert_id: int) -> int:
         return expert_id
 
+    def load_weights(self, weights):
+        """vLLM's own loader: records what it is handed."""
+        self.passed = [name for name, _ in weights]
+        yield from ()
+
 
 def _load_experts(layer, stored: dict, prefix: str, experts: int) -> None:
     """vLLM's per-expert mapping (``RoutedExperts.build_expert_params_mapping``), applied to the
@@ -256,4 +261,103 @@ def test_an_expert_not_loaded_is_refused(models, vllm_rank):
     _load_experts(layer, stored, prefix, 4)
     with pytest.raises(LayoutError, match=r"experts: w13_weight of expert 2 \(w3\) was not "
                                           r"loaded from the checkpoint \(1 parts missing\)"):
+        method.process_weights_after_loading(layer)
+
+
+FUSED = ("w13_weight", "w13_weight_scale_swizzled", "w2_weight", "w2_weight_scale_swizzled")
+
+
+def _fused_layer(models, tp: int, rank: int):
+    """Rank ``rank`` of ``tp``'s vLLM fused-MoE method for the fused trtllm Mixtral block, its
+    (fake) layer, the block's stored tensors by parameter name, and the block's name."""
+    from mxfp8_convert.engines.vllm import MXFP8ConvertFusedExpertsMethod
+
+    folder = models[("mixtral", "trtllm")]
+    prefix = "model.layers.0.block_sparse_moe.experts"
+    stored = {k.removeprefix(f"{prefix}."): v
+              for k, v in load_file(str(folder / "model.safetensors")).items()
+              if k.startswith(f"{prefix}.")}
+    assert sorted(stored) == sorted(FUSED)  # fused by the converter: no per-expert tensor
+    cfg = _config(folder)
+    layer = _RoutedExperts(rank, tp)
+    method = MXFP8ConvertFusedExpertsMethod(cfg, cfg.engine_checkpoint().blocks[prefix], prefix,
+                                            layer)
+    method.create_weights(layer, 4, 512, 256 // tp, torch.float32)
+    return method, layer, stored, prefix
+
+
+@pytest.mark.parametrize(("tp", "rank"), [(1, 0), (2, 0), (2, 1)])
+def test_fused_block_parameters_are_the_files_slices(models, vllm_rank, tp, rank):
+    """A fused trtllm MoE block (docs/FORMAT.md section 3a) in vLLM's fused-MoE layer: each
+    rank's parameters hold exactly the file's contiguous share (w13 rows ``[2r*I/tp, ...)``, w2
+    K ``[r*I/tp, ...)``, their tiles), and that share is the fused layout (``layouts/moe.py``)
+    of the rank's rows of the canonical per-expert tensors (the same source converted with
+    ``--moe keep``), independent of the loader. The block's tensors go to the plug-in and
+    anything else to vLLM's loader; ``process_weights_after_loading`` copies nothing and the
+    rank's experts compute exactly what the runtime's fused reference computes on the canonical
+    slices."""
+    from mxfp8_convert.layouts import moe as lay
+    from mxfp8_convert.runtime.moe import MXFP8MoEWeights, reference_fused_moe
+
+    vllm_rank(rank, tp)
+    method, layer, stored, prefix = _fused_layer(models, tp, rank)
+    bias = torch.zeros(4, 512)
+    got = list(layer.load_weights(iter([*stored.items(), ("w2_bias", bias)])))
+    assert sorted(got) == sorted(FUSED) and layer.passed == ["w2_bias"]
+
+    keep = load_file(str(models[("mixtral", "trtllm-moe-keep")] / "model.safetensors"))
+
+    def c(leaf, suffix): return torch.stack([keep[f"{prefix}.{e}.{leaf}.{suffix}"]
+                                             for e in range(4)])
+    step = 256 // tp
+    rows, cols = slice(rank * step, (rank + 1) * step), slice(rank * step // 32,
+                                                              (rank + 1) * step // 32)
+    up, gate, down = (c(leaf, "weight")[:, rows] if leaf != "w2" else
+                      c(leaf, "weight")[:, :, rows] for leaf in ("w3", "w1", "w2"))
+    up_s, gate_s = c("w3", "weight_scale_inv")[:, rows], c("w1", "weight_scale_inv")[:, rows]
+    down_s = c("w2", "weight_scale_inv")[:, :, cols]
+    up, gate, down, down_s = (t.contiguous() for t in (up, gate, down, down_s))
+    want = {
+        "w13_weight": lay.moe_fc1_weight_from_canonical(up, gate),
+        "w13_weight_scale_swizzled": lay.moe_fc1_scale_from_canonical(up_s, gate_s),
+        "w2_weight": lay.moe_fc2_weight_from_canonical(down),
+        "w2_weight_scale_swizzled": lay.moe_fc2_scale_from_canonical(down_s),
+    }
+    two = slice(2 * rank * step, 2 * (rank + 1) * step)
+    tiles13, tiles2 = slice(two.start // 128, two.stop // 128), slice(rows.start // 128,
+                                                                      rows.stop // 128)
+    file_share = {  # plain indexing of the stored tensors
+        "w13_weight": stored["w13_weight"][:, two],
+        "w13_weight_scale_swizzled": stored["w13_weight_scale_swizzled"][:, tiles13],
+        "w2_weight": stored["w2_weight"][:, :, rows],
+        "w2_weight_scale_swizzled": stored["w2_weight_scale_swizzled"][:, :, tiles2],
+    }
+    for name in FUSED:
+        param = getattr(layer, name).data.view(torch.uint8)
+        assert torch.equal(param, file_share[name].view(torch.uint8)), name
+        assert torch.equal(param, want[name].view(torch.uint8)), name
+    ptrs = [getattr(layer, n).data_ptr() for n in FUSED]
+    method.process_weights_after_loading(layer)
+    ex = method.experts
+    assert ex.kind == "fused" and ex.engine == "reference" and ex.intermediate == step
+    assert [t.data_ptr() for t in (ex.w13, ex.w13_scale, ex.w2, ex.w2_scale)] == ptrs
+    assert [getattr(layer, n).data_ptr() for n in FUSED] == ptrs
+    gen = torch.Generator().manual_seed(rank)
+    x = torch.randn(6, 512, generator=gen)
+    ids = torch.stack([torch.randperm(4, generator=gen)[:2] for _ in range(6)])
+    weights = torch.rand(6, 2, generator=gen)
+    f8 = torch.float8_e4m3fn
+    oracle = MXFP8MoEWeights.from_canonical((up.view(f8), up_s), (gate.view(f8), gate_s),
+                                            (down.view(f8), down_s))
+    assert torch.equal(method.run_experts(x, weights, ids),
+                       reference_fused_moe(x, ids, weights, oracle).to(x.dtype))
+
+
+def test_a_fused_tensor_not_loaded_is_refused(models, vllm_rank):
+    """A fused block's stored tensor missing: one line naming the block and the parameter."""
+    vllm_rank(0, 1)
+    method, layer, stored, prefix = _fused_layer(models, 1, 0)
+    list(layer.load_weights(iter([(k, v) for k, v in stored.items() if k != "w2_weight"])))
+    with pytest.raises(LayoutError, match=r"^model.layers.0.block_sparse_moe.experts: w2_weight "
+                                          r"was not loaded from the checkpoint$"):
         method.process_weights_after_loading(layer)

@@ -22,8 +22,8 @@ move a token beyond TIE_TOL (measured: a MoE gap of 0.35 at one token, 0.15 once
 rounds as two ranks do; a dense llama/trtllm gap of 0.295). So at TP=2 the oracle runs those
 modules as the ranks do (conftest ``_split_linear`` and ``_split_experts``: each rank's K columns
 of every row-parallel weight, rows of every expert's gate/up, by plain indexing of the canonical
-bytes, each rank's output bf16, the ranks summed in float32, a bias on rank 0 only); everything
-else, and the tolerances, as above.
+bytes, a fused block's rank slices laid out again from them, each rank's output bf16, the ranks
+summed in float32, a bias on rank 0 only); everything else, and the tolerances, as above.
 
 A wrong slice, tile, head or part offset moves logprobs by whole units and picks tokens far
 below the oracle's argmax from the first token on (and tests/engines/test_layers.py checks the
@@ -63,8 +63,11 @@ EXAMPLE = str(ROOT / "examples" / "serve_with_vllm.py")
 SERVED = ("llama", "cutlass", 1)  # this one is checked through the OpenAI server instead
 CASES = [(k, b, tp) for k in ("llama", "qwen2") for b in ("trtllm", "cutlass") for tp in (1, 2)]
 #: MoE checkpoints whose experts are stored per expert: vLLM's fused-MoE layer, our method
-MOE_CASES = [*[("mixtral", b, tp) for b in ("cutlass", "trtllm-moe-keep") for tp in (1, 2)],
-             ("qwen2_moe", "cutlass", 1), ("qwen2_moe", "cutlass", 2)]
+#: and fused trtllm MoE blocks (the trtllm default for a MoE model): our fused-block method
+MOE_CASES = [*[("mixtral", b, tp) for b in ("cutlass", "trtllm-moe-keep", "trtllm")
+               for tp in (1, 2)],
+             ("qwen2_moe", "cutlass", 1), ("qwen2_moe", "cutlass", 2),
+             ("qwen3_moe", "trtllm", 1), ("qwen3_moe", "trtllm", 2)]
 
 
 def _compare(case, got: list[dict], prompts: list[list[int]], oracle) -> None:
@@ -182,15 +185,18 @@ if __name__ == "__main__":
 
 
 def _moe_checkpoint(root, backend: str = "trtllm") -> object:
-    """A tiny Mixtral (2 experts, H=512, I=128) converted for ``backend`` (trtllm: fused MoE
-    blocks; cutlass: per-expert projections of 128 rows, whole tiles only at TP=1)."""
+    """A tiny Mixtral (2 experts, H=512, I=128) converted for ``backend`` (trtllm: a fused MoE
+    block; cutlass: per-expert projections of 128 rows; either on whole tiles only at TP=1),
+    converted once per session."""
     import torch
     import transformers
     from conftest import convert
 
-    src = root / "moe"
+    src, out = root / "moe", root / f"moe-{backend}"
+    if (out / "config.json").exists():
+        return out
     if (src / "config.json").exists():
-        return convert(src, backend, root / f"moe-{backend}")
+        return convert(src, backend, out)
     cfg = transformers.MixtralConfig(vocab_size=384, hidden_size=512, intermediate_size=128,
                                      num_hidden_layers=1, num_attention_heads=4,
                                      num_key_value_heads=1, head_dim=128, num_local_experts=2,
@@ -199,11 +205,13 @@ def _moe_checkpoint(root, backend: str = "trtllm") -> object:
     transformers.MixtralForCausalLM(cfg).to(torch.bfloat16).save_pretrained(src)
     for f in ("tokenizer.json", "tokenizer_config.json"):
         (src / f).write_bytes((root / "llama" / f).read_bytes())
-    return convert(src, backend, root / f"moe-{backend}")
+    return convert(src, backend, out)
 
 
 def test_start_up_refusals_are_one_line(models, tmp_path):
-    """No completion marker, an unknown format_version, fused MoE: refused before any weight."""
+    """No completion marker, an unknown format_version: refused before any weight, one line
+    each; in the same engine process, fused MoE blocks (trtllm's default for a MoE model), once
+    refused, now load."""
     base = models[("llama", "trtllm")]
     no_marker = copy_checkpoint(base, tmp_path / "no-marker")
     (no_marker / "mxfp8_convert.complete.json").unlink()
@@ -222,8 +230,6 @@ def test_start_up_refusals_are_one_line(models, tmp_path):
         no_marker: ("MarkerError",
                     "no mxfp8_convert.complete.json: not a complete mxfp8-convert output"),
         future: ("MarkerError", "format_version 99 is not supported"),
-        moe: ("FormatError", "fused MoE blocks (model.layers.0.block_sparse_moe.experts, ...) are "
-                             "not served by the engine plug-ins yet"),
     }
     for folder, (kind, text) in want.items():
         line = lines.get(str(folder), "")
@@ -231,6 +237,8 @@ def test_start_up_refusals_are_one_line(models, tmp_path):
         assert f" {kind} " in line and text in line, (line, text)
         assert " | " not in line, line  # one line
         report(f"refused: {line}")
+    assert lines.get(str(moe), "").startswith("LOADED"), (lines.get(str(moe)),
+                                                          proc.stderr[-3000:])
 
 
 def _refusal(proc, want: str) -> str:
@@ -255,17 +263,21 @@ def test_tp_outside_tp_compat_is_refused(models):
     report(f"refused at TP=2: {_refusal(proc, want)}")
 
 
-def test_moe_tp_outside_tp_compat_is_refused(models):
-    """Experts of I=128 (cutlass) slice on tiles at TP=1 only: TP=2 is refused naming the first
-    expert projection that does not."""
-    folder = _moe_checkpoint(models[("llama", "source")].parent, "cutlass")
+@pytest.mark.parametrize("backend", ["cutlass", "trtllm"])
+def test_moe_tp_outside_tp_compat_is_refused(models, backend):
+    """Experts of I=128 slice on tiles at TP=1 only: TP=2 is refused naming the first expert
+    projection (cutlass) or the fused block and its I (trtllm) that does not."""
+    folder = _moe_checkpoint(models[("llama", "source")].parent, backend)
     marker = json.loads((folder / "config.json").read_text())["quantization_config"]
-    assert marker["moe"] is None and marker["tp_compat"] == [1]
+    assert (marker["moe"] is None) == (backend == "cutlass") and marker["tp_compat"] == [1]
     proc = run_engine([EXAMPLE, str(folder), "--tp", "2", "--json", "--max-tokens", "1",
                        "--enforce-eager"])
-    want = ("tensor parallel 2 is not in this checkpoint's tp_compat [1]: "
-            "model.layers.0.block_sparse_moe.experts.0.w1 [128, 512] (column-parallel, cutlass) "
-            "at tensor parallel 2: 64 rows per rank, not a multiple of 128")
+    block = "model.layers.0.block_sparse_moe.experts"
+    want = "tensor parallel 2 is not in this checkpoint's tp_compat [1]: " + {
+        "cutlass": f"{block}.0.w1 [128, 512] (column-parallel, cutlass) at tensor parallel 2: "
+                   "64 rows per rank, not a multiple of 128",
+        "trtllm": f"{block} fused MoE block (E=2, H=512, I=128, trtllm_fused_moe) at tensor "
+                  "parallel 2: I=64 per rank, not a multiple of 128"}[backend]
     report(f"refused at TP=2: {_refusal(proc, want)}")
 
 

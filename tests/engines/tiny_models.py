@@ -10,7 +10,9 @@ at TP=1 and TP=2 (rows and K multiples of 128 per rank, K of 256 for trtllm), wi
 - ``mixtral``: as ``llama`` with a MoE block of 4 experts (top 2, I=256: 128 rows / K per rank
   at TP=2) instead of the MLP;
 - ``qwen2_moe``: as ``qwen2`` with a MoE block of 4 experts (top 2, I=256) and a shared expert
-  (I=256) behind its sigmoid gate.
+  (I=256) behind its sigmoid gate;
+- ``qwen3_moe``: Qwen3-MoE (q/k norms, no biases), 2 KV heads, a MoE block of 4 experts (top 2,
+  renormalized, I=256) in every layer, no shared expert.
 """
 
 from __future__ import annotations
@@ -46,6 +48,10 @@ MODELS = {  # kind: (config class, model class, keys)
                   dict(num_key_value_heads=2, intermediate_size=256, moe_intermediate_size=256,
                        shared_expert_intermediate_size=256, num_experts=4,
                        num_experts_per_tok=2, decoder_sparse_step=1, norm_topk_prob=False)),
+    "qwen3_moe": ("Qwen3MoeConfig", "Qwen3MoeForCausalLM",
+                  dict(num_key_value_heads=2, intermediate_size=1024, moe_intermediate_size=256,
+                       num_experts=4, num_experts_per_tok=2, decoder_sparse_step=1,
+                       norm_topk_prob=True)),
 }
 
 
