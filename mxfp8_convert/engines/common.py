@@ -688,7 +688,10 @@ class ExpertsMethod:
     ``load_into`` puts in a transformers model): ``down(bf16(silu(gate(x)) * up(x)))``, the
     routing weights applied to each expert's output; routing is the engine's.
 
-    The adapter gives :meth:`layer_tp` (the layer's TP rank and size).
+    The adapter gives :meth:`layer_tp` (the layer's TP rank and size). Both engines' fused-MoE
+    layers map a checkpoint's expert index to the rank's local one with
+    ``_map_global_expert_id_to_local_expert_id`` (``-1``: not on this rank), which
+    :meth:`register`'s loaders use.
     """
 
     def __init__(self, config, layout: str, prefix: str):
@@ -703,9 +706,26 @@ class ExpertsMethod:
         raise NotImplementedError
 
     def register(self, layer, tensors) -> None:
-        """Register ``tensors`` (:func:`expert_tensors`) on ``layer`` as the engine's parameters,
-        each loaded through :meth:`load_expert` by the engine's fused-MoE loader."""
-        raise NotImplementedError
+        """Register ``tensors`` (:func:`expert_tensors`) on ``layer`` as plain parameters whose
+        ``weight_loader`` (called by the engine's model loaders with the shard ids w1 / w3 / w2
+        and the checkpoint's expert index) is :meth:`load_expert`'s, replacing the engine's,
+        which would narrow the tiles as weight rows."""
+        from mxfp8_convert._lazy import torch
+
+        for name, data, _ in tensors:
+            param = torch.nn.Parameter(data, requires_grad=False)
+            param.weight_loader = self._loader(layer, name)
+            layer.register_parameter(name, param)
+
+    def _loader(self, layer, name: str):
+        def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id,
+                          return_success=False):
+            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
+            if local != -1:
+                self.load_expert(layer, param, loaded_weight, name, shard_id, local)
+            return (local != -1) if return_success else None
+
+        return weight_loader
 
     def create_weights(self, layer, num_experts: int, hidden_size: int,
                        intermediate_size_per_partition: int, params_dtype, **extra):
@@ -936,9 +956,9 @@ class QuantConfig:
 
     The adapter sets :attr:`linear_base` (the engine's ``LinearBase``), :attr:`linear_method`
     and :attr:`unquantized` (its method classes), and where it serves MoE
-    :attr:`experts_base` (its fused-MoE layer class), :attr:`experts_method` (per-expert
-    projections) and :attr:`fused_experts_method` (fused trtllm blocks); it gives
-    :meth:`tp_size` and fills
+    :attr:`experts_base` (its fused-MoE layer class), :attr:`experts_method` (our
+    :class:`ExpertsMethod` for per-expert projections) and :attr:`fused_experts_method` (fused
+    trtllm blocks); it gives :meth:`tp_size` and :meth:`experts_refusal` and fills
     :attr:`checkpoint` (:func:`read_checkpoint` of the model folder) when the engine says where
     the folder is. ``packed_modules_mapping`` is the engine's (set by it per model).
     """
@@ -1011,18 +1031,11 @@ class QuantConfig:
         return found.pop() if found else None
 
     def _check_tp(self) -> None:
-        """Once per TP size: the checkpoint's ``tp_compat``, and that this engine's plug-in can
-        run its experts (per-expert projections need :attr:`experts_method`; fused blocks are
-        refused by :func:`check_marker` for an engine without :attr:`fused_experts_method`)."""
+        """Once per TP size: the checkpoint's ``tp_compat`` (fused blocks are refused by
+        :func:`check_marker` for an engine without :attr:`fused_experts_method`)."""
         tp = self.tp_size()
         if self._tp_checked != tp:
-            ckpt = self.engine_checkpoint()
-            check_tp(ckpt, tp)
-            first = next((e[0] for e in map(expert_of, ckpt.modules) if e), None)
-            if self.experts_method is None and first is not None:
-                raise FormatError(f"{ckpt.path}: per-expert MoE projections ({first}, ...) are "
-                                  f"not served by this engine's mxfp8_convert plug-in yet",
-                                  hint="serve it with vLLM or mxfp8_convert.runtime")
+            check_tp(self.engine_checkpoint(), tp)
             self._tp_checked = tp
 
     def get_quant_method(self, layer, prefix: str):

@@ -23,6 +23,17 @@ FlashInfer route, and that SGLang hands over the marker with the model folder.
 own MXFP8 checkpoints) with the marker's backend and the stored bytes, where SGLang's route would
 first shuffle and swizzle (``Fp8LinearMethod._process_mxfp8_linear_weight_scale``); on Hopper our
 Triton kernels; on CPU the exact reference. Chosen once per layer.
+
+MoE checkpoints whose experts are stored per expert (cutlass, trtllm ``--moe keep``) are served
+through SGLang's ``FusedMoE`` by :class:`MXFP8ConvertExpertsMethod` (``common.ExpertsMethod``,
+the vLLM plug-in's too): each rank's ``w13`` (every expert's gate rows, then its up rows) and
+``w2`` (its K of down) in their final layout, filled by tiles from the stored bytes through the
+loaders SGLang's Mixtral / Qwen2-MoE / Qwen3-MoE ``load_weights`` call (shard ids w1 / w3 / w2,
+the checkpoint's expert index), run by the runtime's ``MXFP8Experts`` on views of them. SGLang
+routes (its ``TopK``, standard output: the method declares no runner backend), runs the shared
+experts and reduces the ranks. Refused at start-up, one line each: fused MoE blocks, expert
+parallelism, a MoE layer whose experts are not plain SwiGLU (another activation, biases, clamped
+or scaled routing, shared experts fused into the layer).
 """
 
 from __future__ import annotations
@@ -32,13 +43,20 @@ from typing import Any
 import torch
 from sglang.srt.layers import linear as sgl_linear
 from sglang.srt.layers.linear import LinearBase
+from sglang.srt.layers.moe.fused_moe_triton.layer import FusedMoE
+from sglang.srt.layers.moe.token_dispatcher import StandardCombineInput
+from sglang.srt.layers.moe.topk import TopKOutputChecker
 from sglang.srt.layers.parameter import BasevLLMParameter
 from sglang.srt.layers.quantization import QUANTIZATION_METHODS
-from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig
+from sglang.srt.layers.quantization.base_config import (
+    FusedMoEMethodBase,
+    LinearMethodBase,
+    QuantizationConfig,
+)
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
 from mxfp8_convert.engines import common
-from mxfp8_convert.errors import MarkerError
+from mxfp8_convert.errors import FormatError, MarkerError
 
 QUANT_METHOD = common.QUANT_METHOD
 
@@ -81,6 +99,56 @@ class MXFP8ConvertLinearMethod(common.LinearMethod, LinearMethodBase):
         return None, None
 
 
+def _not_plain_swiglu(layer) -> list[str]:
+    """What SGLang's ``FusedMoE`` ``layer`` asks beyond ``MXFP8Experts``' math:
+    ``down(silu(gate(x)) * up(x))`` per expert, weighted by the router's top-k weights."""
+    cfg = layer.moe_runner_config
+    extra = [("activation " + repr(cfg.activation), cfg.activation != "silu"),
+             ("ungated experts", not cfg.is_gated),
+             ("biases", layer.with_bias),
+             ("router weights on the input", cfg.apply_router_weight_on_input),
+             ("uncombined top-k outputs", cfg.no_combine),
+             ("clamped or scaled SwiGLU", any(v is not None for v in (
+                 cfg.gemm1_alpha, cfg.gemm1_beta, cfg.gemm1_clamp_limit, cfg.swiglu_limit))),
+             ("a routed scaling factor", cfg.routed_scaling_factor not in (None, 1.0)),
+             ("shared experts fused into the layer", layer.num_fused_shared_experts > 0)]
+    return [what for what, bad in extra if bad]
+
+
+class MXFP8ConvertExpertsMethod(common.ExpertsMethod, FusedMoEMethodBase):
+    """The per-expert projections of a ``FusedMoE`` layer (``common.ExpertsMethod``) as SGLang's
+    MoE method. ``FusedMoE`` calls :meth:`create_weights` with the rank's I, then
+    :meth:`create_moe_runner` (no runner: :meth:`apply` runs the experts itself, so SGLang's
+    ``TopK`` gives standard top-k ids and weights), then per forward :meth:`apply` with the
+    dispatcher's output; the combine input it returns is this rank's partial sum."""
+
+    def __init__(self, config, layout: str, prefix: str, layer):
+        FusedMoEMethodBase.__init__(self)
+        common.ExpertsMethod.__init__(self, config, layout, prefix)
+
+    @staticmethod
+    def layer_tp(layer) -> tuple[int, int]:
+        return layer.moe_tp_rank, layer.moe_tp_size
+
+    def create_moe_runner(self, layer, moe_runner_config) -> None:
+        """Refuse a layer whose experts are not plain SwiGLU (one line naming what is not)."""
+        extra = _not_plain_swiglu(layer)
+        if extra:
+            raise FormatError(f"{self.prefix}: the layer's experts have {', '.join(extra)}; "
+                              "MXFP8 experts run SwiGLU experts without biases only")
+        self.moe_runner_config = moe_runner_config
+
+    def apply(self, layer, dispatch_output) -> StandardCombineInput:
+        topk = dispatch_output.topk_output
+        if TopKOutputChecker.format_is_bypassed(topk):
+            topk = topk.to_standard()
+        if not TopKOutputChecker.format_is_standard(topk):
+            raise FormatError(f"{self.prefix}: top-k output {topk.format.name} is not the "
+                              "standard (ids, weights) the MXFP8 experts take")
+        x = dispatch_output.hidden_states
+        return StandardCombineInput(self.run_experts(x, topk.topk_weights, topk.topk_ids))
+
+
 class MXFP8ConvertConfig(common.QuantConfig, QuantizationConfig):
     """``quant_method: "mxfp8_convert"`` (``common.QuantConfig``) as an SGLang quantization config.
 
@@ -92,6 +160,8 @@ class MXFP8ConvertConfig(common.QuantConfig, QuantizationConfig):
     linear_base = LinearBase
     linear_method = MXFP8ConvertLinearMethod
     unquantized = UnquantizedLinearMethod
+    experts_base = FusedMoE
+    experts_method = MXFP8ConvertExpertsMethod
 
     def __init__(self, checkpoint: common.EngineCheckpoint, packed: dict | None = None):
         super().__init__()
@@ -118,6 +188,13 @@ class MXFP8ConvertConfig(common.QuantConfig, QuantizationConfig):
         from sglang.srt.runtime_context import get_parallel
 
         return get_parallel().tp_size
+
+    @staticmethod
+    def experts_refusal(layer) -> str | None:
+        if layer.moe_ep_size > 1:
+            return (f"expert parallelism (EP size {layer.moe_ep_size}) is not supported; "
+                    "serve it with tensor parallelism")
+        return None
 
 
 def register() -> None:

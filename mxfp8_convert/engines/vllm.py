@@ -88,8 +88,9 @@ class MXFP8ConvertExpertsMethod(common.ExpertsMethod, FusedMoEMethodBase):
     ``topk_ids`` (no modular kernel: vLLM runs the shared experts and the all-reduce itself).
 
     Its ``load_weights`` maps ``experts.<e>.<gate|up|down>`` to ``w13_...`` / ``w2_...`` with the
-    shard ids w1 / w3 / w2 and calls each parameter's ``weight_loader`` (set here, replacing
-    vLLM's, which would narrow the tiles as weight rows).
+    shard ids w1 / w3 / w2 and calls each parameter's ``weight_loader`` (set by
+    ``common.ExpertsMethod.register``, replacing vLLM's, which would narrow the tiles as weight
+    rows).
     """
 
     def __init__(self, config, layout: str, prefix: str, layer):
@@ -99,22 +100,6 @@ class MXFP8ConvertExpertsMethod(common.ExpertsMethod, FusedMoEMethodBase):
     @staticmethod
     def layer_tp(layer) -> tuple[int, int]:
         return layer.moe_config.tp_rank, layer.moe_config.tp_size
-
-    def register(self, layer, tensors) -> None:
-        for name, data, _ in tensors:
-            param = torch.nn.Parameter(data, requires_grad=False)
-            param.weight_loader = self._loader(layer, name)
-            layer.register_parameter(name, param)
-
-    def _loader(self, layer, name: str):
-        def weight_loader(param, loaded_weight, weight_name, shard_id, expert_id,
-                          return_success=False):
-            local = layer._map_global_expert_id_to_local_expert_id(expert_id)
-            if local != -1:
-                self.load_expert(layer, param, loaded_weight, name, shard_id, local)
-            return (local != -1) if return_success else None
-
-        return weight_loader
 
     def get_fused_moe_quant_config(self, layer):
         return None

@@ -28,10 +28,10 @@ SEED = 1234
 TOKENS = 5
 
 
-def init_parallel(tp: int, rank: int, port: int) -> None:
-    """SGLang's ``init_single_process_dist`` for ``tp`` ranks. No GPU: the groups get no NCCL,
-    custom or symmetric-memory all-reduce (SGLang builds them only for GPUs), so they are
-    plain gloo process groups."""
+def init_parallel(tp: int, rank: int, port: int, ep: int = 1) -> None:
+    """SGLang's ``init_single_process_dist`` for ``tp`` ranks (``ep`` of them expert-parallel).
+    No GPU: the groups get no NCCL, custom or symmetric-memory all-reduce (SGLang builds them
+    only for GPUs), so they are plain gloo process groups."""
     import functools
 
     from sglang.srt.distributed import parallel_state
@@ -46,7 +46,7 @@ def init_parallel(tp: int, rank: int, port: int) -> None:
         parallel_state.init_model_parallel_group, use_pynccl=False)
     init_distributed_environment(world_size=tp, rank=rank, local_rank=rank, backend="gloo",
                                  distributed_init_method=f"tcp://127.0.0.1:{port}")
-    publish_build_topology(world_rank=rank, tp_size=tp, ep_size=1, pp_size=1)
+    publish_build_topology(world_rank=rank, tp_size=tp, ep_size=ep, pp_size=1)
     initialize_model_parallel(backend="gloo")
 
 
