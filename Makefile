@@ -50,7 +50,7 @@ $(SGLANG_VENV)/.installed: pyproject.toml
 # The SGLang plug-in's layer tests, in SGLang's venv (they skip under the main venv's `make test`).
 test-engines-sglang: $(SGLANG_VENV)/.installed
 	MXFP8_ENGINE_TESTS=sglang $(SGLANG_BIN)/python -m pytest -q -p no:cacheprovider \
-		tests/engines/test_sglang_plugin.py
+		tests/engines/test_sglang_plugin.py tests/engines/test_sglang_moe.py
 
 
 # Both engines' tests, each in its own venv (what .ci/run runs after `make test`).

@@ -139,47 +139,57 @@ class _Linear:
 
 
 class _Experts:
-    """A stand-in for an engine's fused-MoE layer class."""
+    """A stand-in for an engine's fused-MoE layer class (expert parallel or not)."""
+
+    def __init__(self, ep: int = 1):
+        self.ep = ep
 
 
-def _quant_config(ckpt, experts: bool):
-    """``common.QuantConfig`` as an engine adapter mixes it, without the engine: TP=1, the
-    experts method given or not (SGLang's adapter has none yet)."""
+class _ExpertsMethod:
+    def __init__(self, config, layout: str, prefix: str, layer):
+        self.layout, self.prefix = layout, prefix
+
+
+def _quant_config(ckpt):
+    """``common.QuantConfig`` as an engine adapter mixes it, without the engine: TP=1, an
+    experts method, expert parallelism refused."""
     class Config(common.QuantConfig):
         linear_base, linear_method, unquantized = _Linear, common.LinearMethod, object
-        experts_base = _Experts if experts else None
-        experts_method = type("Experts", (), {"__init__": lambda self, *a: None}) if experts \
-            else None
+        experts_base, experts_method = _Experts, _ExpertsMethod
 
         @staticmethod
         def tp_size() -> int:
             return 1
+
+        @staticmethod
+        def experts_refusal(layer) -> str | None:
+            return f"expert parallelism (EP size {layer.ep}) is refused" if layer.ep > 1 else None
 
     cfg = Config()
     cfg.checkpoint = ckpt
     return cfg
 
 
-def test_an_engine_without_an_experts_method_refuses_per_expert_moe(tmp_path):
-    """A MoE checkpoint with per-expert projections (cutlass): a plug-in without an experts
-    method refuses it at its first layer in one line naming the experts; with one, the same
-    layer gets its linear method; a dense checkpoint loads either way."""
+def test_per_expert_moe_gets_the_experts_method_at_its_fused_moe_layers(tmp_path):
+    """A MoE checkpoint with per-expert projections (cutlass): the engine's fused-MoE layer of a
+    block gets the experts method with the experts' layout, its linears the linear method; a
+    fused-MoE layer whose experts the checkpoint does not quantize keeps the engine's own
+    method (``None``); the adapter's refusal (expert parallelism) is one line naming the
+    layer."""
     spec = SynthSpec(layers=1, hidden=256, intermediate=512, heads=2, kv_heads=2, vocab=256,
                      shards=1, experts=2, moe_intermediate=256)
     out = convert(write_checkpoint(tmp_path / "moe", spec), "cutlass", tmp_path / "moe-c").output
-    dense = convert(write_checkpoint(tmp_path / "dense", SPEC), "cutlass", tmp_path / "d").output
-    ckpt = common.read_checkpoint(out)
-    assert any(common.expert_of(m) for m in ckpt.modules)
-    q = "model.layers.0.self_attn.q_proj"
-    with pytest.raises(common.FormatError) as e:
-        _quant_config(ckpt, experts=False).get_quant_method(_Linear(), q)
-    assert str(e.value) == (f"{out}: per-expert MoE projections (model.layers.0.mlp.experts, "
-                            "...) are not served by this engine's mxfp8_convert plug-in yet")
-    assert isinstance(_quant_config(ckpt, experts=True).get_quant_method(_Linear(), q),
+    cfg = _quant_config(common.read_checkpoint(out))
+    block = "model.layers.0.mlp.experts"
+    method = cfg.get_quant_method(_Experts(), block)
+    assert isinstance(method, _ExpertsMethod) and (method.layout, method.prefix) == (
+        "cutlass", block)
+    assert isinstance(cfg.get_quant_method(_Linear(), "model.layers.0.self_attn.q_proj"),
                       common.LinearMethod)
-    dense_ckpt = common.read_checkpoint(dense)
-    assert isinstance(_quant_config(dense_ckpt, experts=False).get_quant_method(_Linear(), q),
-                      common.LinearMethod)
+    assert cfg.get_quant_method(_Experts(), "model.layers.0.mlp.other_experts") is None
+    with pytest.raises(common.LayoutError) as e:
+        cfg.get_quant_method(_Experts(ep=2), block)
+    assert str(e.value) == f"{block}: expert parallelism (EP size 2) is refused"
 
 
 @pytest.mark.parametrize(("hidden", "heads", "inter", "want"),
