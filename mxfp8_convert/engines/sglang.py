@@ -56,7 +56,7 @@ from sglang.srt.layers.quantization.base_config import (
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 
 from mxfp8_convert.engines import common
-from mxfp8_convert.errors import FormatError, MarkerError
+from mxfp8_convert.errors import LayoutError, MarkerError
 
 QUANT_METHOD = common.QUANT_METHOD
 
@@ -134,16 +134,18 @@ class MXFP8ConvertExpertsMethod(common.ExpertsMethod, FusedMoEMethodBase):
         """Refuse a layer whose experts are not plain SwiGLU (one line naming what is not)."""
         extra = _not_plain_swiglu(layer)
         if extra:
-            raise FormatError(f"{self.prefix}: the layer's experts have {', '.join(extra)}; "
+            raise LayoutError(f"{self.prefix}: the layer's experts have {', '.join(extra)}; "
                               "MXFP8 experts run SwiGLU experts without biases only")
         self.moe_runner_config = moe_runner_config
 
     def apply(self, layer, dispatch_output) -> StandardCombineInput:
+        """The rank's experts on the dispatcher's tokens; a lazy (bypassed) top-k, which a model
+        may ask for by name, is routed first."""
         topk = dispatch_output.topk_output
         if TopKOutputChecker.format_is_bypassed(topk):
             topk = topk.to_standard()
         if not TopKOutputChecker.format_is_standard(topk):
-            raise FormatError(f"{self.prefix}: top-k output {topk.format.name} is not the "
+            raise LayoutError(f"{self.prefix}: top-k output {topk.format.name} is not the "
                               "standard (ids, weights) the MXFP8 experts take")
         x = dispatch_output.hidden_states
         return StandardCombineInput(self.run_experts(x, topk.topk_weights, topk.topk_ids))

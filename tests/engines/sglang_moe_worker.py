@@ -127,9 +127,31 @@ def run_one(ckpt: Path) -> dict:
             rec["experts_out"] = block.experts(x, topk)
             if cfg.architectures[0] != "Qwen2MoeForCausalLM":  # its shared expert: GPU kernels
                 rec["block_out"] = block(x)
+            rec.update(other_topk_formats(block, x, logits))
         rec["x"] = x
         out["layers"].append(rec)
     out["unsupported"] = unsupported_layer_error(quant_config, cfg, holder)
+    return out
+
+
+def other_topk_formats(block, x: torch.Tensor, logits: torch.Tensor) -> dict:
+    """The experts method's ``apply`` given a lazy (bypassed) top-k, as a model that asks for
+    one by name passes it, and a top-k format it does not take (refused in one line)."""
+    from types import SimpleNamespace
+
+    from sglang.srt.layers.moe.token_dispatcher import StandardDispatchOutput
+    from sglang.srt.layers.moe.topk import BypassedTopKOutput, TopKOutputFormat
+
+    experts = block.experts
+    lazy = BypassedTopKOutput(x, logits, block.topk.topk_config)
+    out = {"bypassed_out": experts.quant_method.apply(
+        experts, StandardDispatchOutput(x, None, lazy)).hidden_states}
+    other = SimpleNamespace(format=TopKOutputFormat.TRITON_KERNEL)
+    try:
+        experts.quant_method.apply(experts, StandardDispatchOutput(x, None, other))
+        out["triton_format_error"] = ""
+    except Exception as e:
+        out["triton_format_error"] = f"{type(e).__name__}: {e}"
     return out
 
 

@@ -263,6 +263,7 @@ def test_experts_output_equals_the_float64_oracle(ckpts, results, tp, rank, name
         assert err < REL_TOLERANCE
         if "block_out" in layer:
             assert torch.equal(layer["block_out"], layer["experts_out"])
+        assert torch.equal(layer["bypassed_out"], layer["experts_out"])  # routed by apply
 
 
 @pytest.mark.parametrize("name", SERVED)
@@ -292,6 +293,11 @@ def test_refusals_are_one_line_at_start_up(results):
     assert "error" not in results[(1, 1)][0]["qwen3-tp1only"]  # the same checkpoint at TP=1
     for name in SERVED:
         err = _one_line(results[(1, 1)][0][name]["unsupported"])
-        assert err.startswith("FormatError: model.layers.0.") and err.endswith(
+        assert err.startswith("LayoutError: model.layers.0.") and err.endswith(
             ".experts: the layer's experts have activation 'gelu'; MXFP8 experts run SwiGLU "
             "experts without biases only"), err
+        for layer in results[(1, 1)][0][name]["layers"]:
+            err = _one_line(layer["triton_format_error"])
+            assert err.startswith("LayoutError: model.layers.") and err.endswith(
+                ".experts: top-k output TRITON_KERNEL is not the standard (ids, weights) the "
+                "MXFP8 experts take"), err
