@@ -23,7 +23,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from tests.engines.sglang_worker import init_parallel
+from tests.engines.sglang_worker import init_parallel, model_setup
 
 SEED = 4321
 TOKENS = 6
@@ -66,15 +66,9 @@ class Holder(nn.Module):
 
 
 def build_and_load(ckpt: Path):
-    from sglang.srt.configs.load_config import LoadConfig
-    from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_loader.weight_utils import get_quant_config, safetensors_weights_iterator
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
 
-    model_config = ModelConfig(model_path=str(ckpt))
-    quant_config = get_quant_config(model_config, LoadConfig(), {})
-    torch.set_default_dtype(torch.bfloat16)
-    holder = Holder(model_config.hf_config, quant_config)
-    files = sorted(str(f) for f in ckpt.glob("*.safetensors"))
+    model_config, quant_config, holder, files = model_setup(ckpt, Holder)
     mine = f".{holder.attr}."
     weights = ((n, t) for n, t in safetensors_weights_iterator(files)
                if n.startswith("model.layers.") and mine in n)

@@ -82,17 +82,25 @@ class Holder(nn.Module):
             self.model.layers.append(layer)
 
 
-def build_and_load(ckpt: Path):
+def model_setup(ckpt: Path, holder_class):
+    """SGLang's model config and our quantization config of the folder, as SGLang's loader makes
+    them; ``holder_class(hf_config, quant_config)`` built in bf16; the folder's shard files."""
     from sglang.srt.configs.load_config import LoadConfig
     from sglang.srt.configs.model_config import ModelConfig
-    from sglang.srt.model_loader.weight_utils import get_quant_config, safetensors_weights_iterator
-    from sglang.srt.models.llama import LlamaForCausalLM
+    from sglang.srt.model_loader.weight_utils import get_quant_config
 
     model_config = ModelConfig(model_path=str(ckpt))
     quant_config = get_quant_config(model_config, LoadConfig(), {})
     torch.set_default_dtype(torch.bfloat16)
-    holder = Holder(model_config.hf_config, quant_config)
-    files = sorted(str(f) for f in ckpt.glob("*.safetensors"))
+    holder = holder_class(model_config.hf_config, quant_config)
+    return model_config, quant_config, holder, sorted(str(f) for f in ckpt.glob("*.safetensors"))
+
+
+def build_and_load(ckpt: Path):
+    from sglang.srt.model_loader.weight_utils import safetensors_weights_iterator
+    from sglang.srt.models.llama import LlamaForCausalLM
+
+    model_config, quant_config, holder, files = model_setup(ckpt, Holder)
     LlamaForCausalLM._legacy_load_weights(holder, safetensors_weights_iterator(files))
     return model_config.quantization, quant_config, holder
 
