@@ -297,3 +297,19 @@ def test_dense_module_with_k_588_is_kept_under_keep_and_the_error_points_at_igno
     assert "model.vision_tower.patch_embedding.linear" in marker(dest)["ignored_layers"]
     with pytest.raises(FormatError, match="matches no module"):
         convert(src, "cutlass", tmp_path / "o2", ignore=["vision_tower.patch_embed"])
+
+
+@pytest.mark.parametrize("model_type", [["llama4"], {"a": 1}, 4])
+def test_stacked_experts_of_a_model_type_that_is_no_name_are_said(capsys, tmp_path, model_type):
+    """A config whose model_type is not a string: its stacked experts are of no known layout."""
+    cfg = fam.llama4_config()
+    for c in (cfg, cfg.get("text_config") or {}):
+        if "model_type" in c:
+            c["model_type"] = model_type
+    src = fam.write(tmp_path / "src", cfg, fam.llama4_bf16(fam.llama4_config()))
+    code, out, err = run_cli(
+        capsys, src, "-b", "cutlass", "-o", tmp_path / "out", "--on-ineligible", "keep", "--json"
+    )
+    assert code == 0, err
+    stacked = [u for u in json.loads(out)["plan"]["unquantized"] if u["kind"] == "stacked_experts"]
+    assert "model.layers.0.feed_forward.experts.gate_up_proj" in [u["name"] for u in stacked]

@@ -345,6 +345,12 @@ HOSTILE = [
      ["file 'config.json' is a link that leads outside the model folder"]),
     ("config-dangling-link", _replace("config.json", _link_to("missing.json")),
      ["config.json: file not found"]),
+    ("config-dtype-list", _json("config.json", lambda c: c.update(torch_dtype=[])),
+     ["config.json: torch_dtype is [], not a dtype name such as 'bfloat16'"]),
+    ("config-text-dtype-object",
+     _json("config.json", lambda c: (c.pop("torch_dtype", None),
+                                     c.update(text_config={"dtype": {"a": 1}}))),
+     ['config.json: text_config.dtype is {"a": 1}, not a dtype name']),
     ("hf-quant-config-not-json", _bytes("hf_quant_config.json", b"\x00\x01"),
      ["hf_quant_config.json: not valid JSON"]),
     # --- other files (copied byte for byte): links out, pipes

@@ -8,6 +8,7 @@ whether an FP8 scale maps losslessly to UE8M0 (``read.pow2_scales``).
 from __future__ import annotations
 
 import fnmatch
+import json
 import math
 from dataclasses import dataclass
 from operator import itemgetter
@@ -497,7 +498,7 @@ def _stacked_experts(ckpt, name: str, info: TensorInfo, backend: BackendSpec, d)
     text = _text_config(cfg)
     model_type = text.get("model_type", cfg.get("model_type"))
     block, _, tensor = name.rpartition(".")
-    layout = STACKED_EXPERTS.get(model_type)
+    layout = STACKED_EXPERTS.get(model_type) if isinstance(model_type, str) else None
     projs = layout.projs.get(tensor) if layout is not None else None
     if projs is None:
         why = f"stacked experts of {model_type!r}: layout of {tensor!r} unknown, left as it is"
@@ -567,10 +568,18 @@ MODEL_DTYPES = {"bfloat16": "BF16", "float16": "F16", "float32": "F32"}
 
 
 def model_dtype(cfg: dict | None) -> str:
-    """The dtype of the model's unquantized weights (config.json), BF16 if it says none."""
+    """The dtype of the model's unquantized weights (config.json), BF16 if it names none of
+    ``MODEL_DTYPES``; a value that is not a dtype name at all is an error."""
     cfg = cfg or {}
-    for c in (cfg, _text_config(cfg)):
+    text = _text_config(cfg)
+    for where, c in (("", cfg), ("text_config.", text)):
         for key in ("torch_dtype", "dtype"):
-            if c.get(key) in MODEL_DTYPES:
-                return MODEL_DTYPES[c[key]]
+            value = c.get(key)
+            if value is not None and not isinstance(value, str):
+                raise FormatError(
+                    f"config.json: {where}{key} is {json.dumps(value)}, not a dtype name "
+                    f"such as {', '.join(map(repr, MODEL_DTYPES))}"
+                )
+            if value in MODEL_DTYPES:
+                return MODEL_DTYPES[value]
     return "BF16"
