@@ -72,7 +72,8 @@ def test_configs_are_those_of_a5719ef(device):
 def test_every_kernel_kind_is_chosen_somewhere():
     """The snapshot exercises each family (else the comparison above proves little for it)."""
     kinds = {_expected(r)[1]["kind"] for rows in SNAPSHOT["devices"].values() for r in rows}
-    assert kinds == {k.value for k in Kernel} - {Kernel.DQMMA.value}  # newer than the snapshot
+    newer = {Kernel.DQMMA.value, Kernel.BLOCK128.value}  # newer than the snapshot
+    assert kinds == {k.value for k in Kernel} - newer
 
 
 def test_thresholds_table_is_what_the_rules_read():
@@ -353,3 +354,48 @@ def test_serving_rule_bounds():
     assert serving_rule(64, 4096, 4160, h200) is None  # K % 128 != 0: the tile kernel
     assert choose_config(64, 4096, 4160, h200).kind is Kernel.TILE
     assert serving_rule(TUNED.dqmma_max_m + 1, 8192, 4096, h200) is None
+
+
+@pytest.mark.parametrize("kw,runs,want,asks", [
+    ({"cuda": "12.9"}, True, True, 1),
+    ({"cuda": "13.0"}, False, False, 1),  # the build refuses the recipe
+    ({"cuda": "12.8"}, True, False, 0),  # before torch's 1x128 recipe: not asked
+    ({"cuda": "13.0", "capability": (10, 0)}, True, False, 0),  # Blackwell: FlashInfer's path
+])
+def test_block_fp8_probe(monkeypatch, kw, runs, want, asks):
+    probe, dev = _probe(monkeypatch, **kw)
+    asked = []
+    monkeypatch.setattr(probe, "_BLOCK_FP8", {})
+    monkeypatch.setattr(probe, "scaled_mm_1x128", lambda device: asked.append(device) or runs)
+    assert probe.block_fp8(dev) is want and probe.block_fp8(dev) is want
+    assert len(asked) == asks  # once per device
+
+
+def test_block128_rule():
+    """The block-128 path from ``block128_min_m`` on large weights and from ``block128_wide_m`` on
+    weights of ``block128_min_n`` rows; the cuBLAS path elsewhere, without the recipe, with K % 128
+    or N % 16."""
+    import dataclasses
+
+    t = TUNED
+    facts = dataclasses.replace(FACTS["h200"], block_fp8=True)
+
+    def kind(m, n, k, f=facts):
+        return choose_config(m, n, k, f).kind
+
+    big_k = -(-t.block128_min_weight // 4096 // 128) * 128  # N = 4096: just large enough
+    assert kind(t.block128_min_m, 4096, big_k) is Kernel.BLOCK128
+    assert kind(t.block128_min_m, 4096, big_k - 128) is Kernel.CUBLAS
+    assert kind(t.block128_min_m - 1, 4096, big_k) is not Kernel.BLOCK128
+    assert kind(t.block128_wide_m, t.block128_min_n, 4096) is Kernel.BLOCK128
+    assert kind(t.block128_wide_m, t.block128_min_n - 16, 4096) is Kernel.CUBLAS
+    assert kind(t.block128_wide_m - 1, t.block128_min_n, 4096) is Kernel.CUBLAS
+    assert kind(t.block128_wide_m, 4096, 4160) is Kernel.CUBLAS  # K % 128 == 64
+    assert kind(t.block128_wide_m, 4104, 4096) is Kernel.CUBLAS  # N % 16 == 8
+    assert kind(t.block128_wide_m, 4096, 4096, FACTS["h200"]) is Kernel.CUBLAS  # no recipe
+    # chunks of the cuBLAS path's workspace bytes (multiples of 128 rows): FP8, twice the rows
+    cfg = choose_config(t.block128_min_m, 32768, 16384, facts)
+    want = 2 * t.dequant_workspace // 16384 // 128 * 128
+    assert cfg.kind is Kernel.BLOCK128 and cfg.chunk_n == want < 32768
+    assert choose_config(t.block128_wide_m, 4096, 4096, facts).chunk_n == 4096
+    assert choose_config(t.block128_min_m, 18432, 7168, facts).chunk_n == 18432  # DeepSeek MLP

@@ -630,6 +630,45 @@ def test_cublas_path_agrees(layout, bias_dtype):
         _check_twice(tri, x, w, bias, ref, cfg)
 
 
+@pytest.mark.parametrize("layout", [*LAYOUTS, "canonical"])
+@pytest.mark.parametrize("bias_dtype", [None, torch.bfloat16])
+def test_block128_path_agrees(layout, bias_dtype):
+    """The block-128 path (both operands regrouped by our kernels, cuBLAS's FP8 GEMM with 1x128
+    scales): the regrouped bytes and scales are torch's (``regroup_oracle``); the output within
+    1e-2 of the float64 product of the 32-block operands and within bf16 rounding of the product
+    of the regrouped ones; one chunk (straight into ``out``), chunks of 128 and of 1008 rows
+    (column slices; cuBLAS takes multiples of 16), bias, twice; weight codes up to 30 apart
+    within a 128-block."""
+    from tests.runtime.regroup_oracle import regrouped_by_torch
+
+    tri = _triton()
+    n, k, m = 576 * 3, 7168, 1100
+    w, q, code = random_weight(n, k, layout, seed=19)
+    code[:, ::4] -= 20
+    code[:, 1::4] += 10
+    w = MXFP8Weight.from_canonical(q, code, layout)
+    bias = None if bias_dtype is None else torch.randn(n, device="cuda", dtype=bias_dtype)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    wq, ws = tri.regroup_weight(w)
+    want_q, want_s = regrouped_by_torch(q, code)
+    assert torch.equal(wq.view(torch.uint8), want_q.view(torch.uint8))
+    assert torch.equal(ws, want_s.t().contiguous())
+    xq, xs = tri.regroup_activations(x)
+    q_x, code_x = quantize_mxfp8(x)
+    want_q, want_s = regrouped_by_torch(q_x, code_x)
+    assert torch.equal(xq.view(torch.uint8), want_q.view(torch.uint8)) and torch.equal(xs, want_s)
+    ref = fake_quantize_mxfp8(x).double() @ dequantize_mxfp8(q, code).double().t()
+    regrouped = ((xq.double() * xs.double().repeat_interleave(128, 1))
+                 @ (wq.double() * ws.double().t().repeat_interleave(128, 1)).t())
+    if bias is not None:
+        ref += bias.double()
+        regrouped += bias.double()
+    for chunk in (0, 128, 1008):
+        cfg = tri.GemmConfig(64, 0, 256, tri.Kernel.BLOCK128, fuse_quant=False, chunk_n=chunk)
+        out = _check_twice(tri, x, w, bias, ref, cfg)
+        assert rel_err(out, regrouped) <= 3e-3, chunk
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name,n,k", MODEL_SHAPES[::3], ids=[s[0] for s in MODEL_SHAPES[::3]])
 def test_tile_kernel_at_large_m(name, n, k, layout):
@@ -743,3 +782,18 @@ def test_flashinfer_engine_refused_on_hopper():
     w, _, _ = random_weight(256, 512, "trtllm", seed=1)
     with pytest.raises(BackendUnavailableError, match="engine='triton'|SM100|runs on"):
         mxfp8_linear(torch.randn(4, 512, device="cuda"), w, engine="flashinfer")
+
+
+def test_block_fp8_on_this_gpu():
+    """A Hopper with a CUDA 12.9+ torch has cuBLAS's 1x128 recipe (torch's own tests run it
+    there), so its prefill rule is the block-128 path."""
+    from mxfp8_convert.runtime.hopper import probe
+    from mxfp8_convert.runtime.hopper.rules import TUNED, choose_config
+
+    tri = _triton()
+    dev = torch.device("cuda")
+    cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
+    want = torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9)
+    assert probe.block_fp8(dev) is want
+    kind = choose_config(TUNED.block128_wide_m, 4096, 4096, probe.device_facts(dev)).kind
+    assert (kind is tri.Kernel.BLOCK128) is want

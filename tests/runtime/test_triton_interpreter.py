@@ -12,6 +12,7 @@ tensor-core path is checked by the ``gpu`` tests on an H200.
 
 from __future__ import annotations
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -22,6 +23,7 @@ from mxfp8_convert.runtime import MXFP8Weight, mxfp8_linear, quantize_mxfp8, ref
 from mxfp8_convert.runtime.hopper.config import GemmConfig, Kernel
 from mxfp8_convert.runtime.hopper.rules import TUNED, DeviceFacts, choose_config
 from tests.runtime.interpreter import interp, run_interpreter_suite
+from tests.runtime.regroup_oracle import regrouped_by_torch
 
 CPU = DeviceFacts(sms=4, capability=None)  # what probe.device_facts gives under the interpreter
 
@@ -213,6 +215,82 @@ def test_cublas_path_matches_reference(layout, m, n, k):
     x, bias, ref = _scaled_case(x, q, code)
     configs = [cublas_config(m, n, k, chunk_n=c) for c in (0, 128, 100)]
     _check_configs(configs, x, w, bias, ref)
+
+
+def _check_regrouped(got_q, got_s, q, code):
+    """The bytes and scales of the independent regroup, and the values of the 32-block operands
+    exactly wherever the shifted value is a normal e4m3 number (else within 2^-10 of the
+    scale)."""
+    want_q, want_s = regrouped_by_torch(q, code)
+    assert torch.equal(got_q.view(torch.uint8), want_q.view(torch.uint8))
+    torch.testing.assert_close(got_s, want_s, rtol=0, atol=0, equal_nan=True)
+    per32 = q.double() * torch.exp2(code.double() - 127).repeat_interleave(32, dim=1)
+    scale = got_s.double().repeat_interleave(128, dim=1)
+    value = got_q.double() * scale
+    ok = torch.isfinite(scale)
+    normal = ok & (per32.abs() >= 2.0**-6 * scale)  # q * 2^(c - cmax) a normal e4m3 number
+    assert torch.equal(value[normal], per32[normal])
+    assert ((value - per32).abs()[ok] <= 2.0**-10 * scale[ok]).all()
+    assert (~normal & ok & (per32 != value)).any()  # the case exercises the rounded elements
+
+
+@interp
+@pytest.mark.parametrize("layout", ["trtllm", "cutlass", "canonical"])
+@pytest.mark.parametrize("n,k", [(576, 512), (160, 1024)])
+def test_regroup_weight_matches_torch(layout, n, k):
+    """The block-128 path's weight regroup from the laid-out bytes: logical row order, every e4m3
+    byte value, codes up to 40 apart within a 128-block, a NaN code (its block's scale NaN)."""
+    from mxfp8_convert.runtime.hopper.launch import regroup_weight
+
+    w, q, code, _ = _case(layout, 1, n, k, seed=n)
+    q.view(torch.uint8)[:2].view(-1)[:256] = torch.arange(256, dtype=torch.uint8).masked_fill_(
+        (torch.arange(256) & 0x7F) == 0x7F, 0)  # every e4m3 byte but the NaNs
+    code[:, ::2] -= 20
+    code[:, 1::3] += 20
+    code[7, 5] = 255
+    got_q, got_s = regroup_weight(MXFP8Weight.from_canonical(q, code, layout))
+    assert got_s.shape == (k // 128, n) and got_s.is_contiguous()
+    assert got_s[1, 7].isnan() and not got_s[0, 7].isnan()
+    _check_regrouped(got_q, got_s.t(), q, code)
+
+
+@interp
+@pytest.mark.parametrize("m,k", [(37, 512), (3, 384)])
+def test_regroup_activations_matches_torch(m, k):
+    """The block-128 path's activations: FlashInfer's per-32 quantization (the reference
+    quantizer's bytes and codes), then the regroup; scales as the [M, K/128] operand with strides
+    (1, M); a tail in M."""
+    from mxfp8_convert.runtime.hopper.launch import regroup_activations
+
+    g = torch.Generator().manual_seed(m)
+    apart = torch.exp2(-12.0 * (torch.arange(k) // 32 % 2))  # 32-blocks 2^12 apart
+    x = (torch.randn(m, k, generator=g) * torch.logspace(-3, 3, k) * apart).bfloat16()
+    x[1, :128] = 0.0
+    got_q, got_s = regroup_activations(x)
+    assert got_s.shape == (m, k // 128) and got_s.stride() == (1, m)
+    q, code = quantize_mxfp8(x)
+    _check_regrouped(got_q, got_s, q, code)
+    with pytest.raises(LayoutError, match="K % 128"):
+        regroup_activations(x[:, :k - 32].contiguous())
+
+
+@interp
+@pytest.mark.parametrize("layout", ["trtllm", "cutlass", "canonical"])
+@pytest.mark.parametrize("m,n,k", [(19, 576, 512), (3, 160, 1024)])
+def test_block128_path_matches_reference(layout, m, n, k):
+    """The block-128 path's plumbing (the product of the regrouped operands taken by torch under
+    the interpreter): one chunk, 128-row chunks, chunks that cut P32 groups, column slices of the
+    output, bias; activations whose 32-blocks are far apart. Chunks that are no multiple of 16
+    rows (what cuBLAS takes) are refused."""
+    w, q, code, x = _case(layout, m, n, k, seed=m)
+    x, bias, ref = _scaled_case(x, q, code)
+    configs = [GemmConfig(64, 0, 256, Kernel.BLOCK128, fuse_quant=False, chunk_n=c)
+               for c in (0, 128, 112)]
+    _check_configs(configs, x, w, bias, ref)
+    from mxfp8_convert.runtime.hopper.launch import triton_linear
+
+    with pytest.raises(LayoutError, match="multiples of 16"):
+        triton_linear(x, w, config=dataclasses.replace(configs[0], chunk_n=100))
 
 
 @interp

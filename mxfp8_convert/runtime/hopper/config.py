@@ -17,6 +17,7 @@ class Kernel(enum.Enum):
     DECODE = "decode"  # decode.py: weight stream, one FP8 MMA per 32-block; M <= DECODE_BLOCK_M
     GEMV = "gemv"  # gemv.py: weight stream on CUDA cores; M <= GEMV_MAX_M
     CUBLAS = "cublas"  # dequant.py + cuBLAS: the weight dequantized chunk by chunk; large M
+    BLOCK128 = "block128"  # regroup.py + cuBLAS FP8, one scale per 128 of K; large M, K % 128 == 0
     WGMMA = "wgmma"  # wgmma.py (Gluon): FP8 wgmma per 32-block, four in flight; Hopper, M <= 32
     DQMMA = "dqmma"  # dqmma.py (Gluon): weight dequantized in registers, bf16 wgmma; Hopper, M > 16
 
@@ -49,7 +50,7 @@ class GemmConfig:
     group_n: int = 8  # tile: weight tiles that walk down M together (L2 reuse)
     serial_reduce: bool = False  # split-K: the last program of a tile sums the partials
     words: bool = True  # gemv: convert the weight bytes from int32 words with integer ops
-    chunk_n: int = 0  # cublas: weight rows per chunk (0: as many as the workspace holds)
+    chunk_n: int = 0  # cublas, block128: weight rows per chunk (0: as many as the workspace holds)
     sw_ahead: int = 1  # wgmma: K-tiles ahead of use that the weight scale words are loaded
     pdl: bool = False  # wgmma: programmatic dependent launch (``wgmma.wgmma_decode``)
     red_chunk: int = 4  # wgmma: split-K partials loaded per round trip when they are summed

@@ -10,7 +10,12 @@ does not apply) the weight is dequantized exactly by ``dequant.py`` into a trans
 workspace of at most ``dequant_workspace`` elements (chunk by chunk; ``rules.TUNED``) and cuBLAS
 multiplies with fp32 accumulation (torch's ``allow_bf16_reduced_precision_reduction`` applies as
 to any bf16 matmul); the workspace goes back to torch's caching allocator after the call, the
-checkpoint's bytes remain the only resident copy of the weight.
+checkpoint's bytes remain the only resident copy of the weight. On the block-128 path
+(``rules.block128_config``: M >= ``block128_min_m`` where cuBLAS has the 1x128 FP8 recipe) both
+operands are regrouped by ``regroup.py`` to one fp32 scale per 128 elements of K (the weight
+chunk by chunk into a transient FP8 workspace of as many bytes) and cuBLAS's FP8 GEMM runs on
+them: twice the bf16 MMA rate, for the regrouping's rounding of the elements under 2^-6 of their
+128-block's largest scale (``regroup.py``).
 """
 
 from __future__ import annotations
@@ -38,6 +43,10 @@ from mxfp8_convert.runtime.hopper.gemv import _mxfp8_gemv_kernel
 from mxfp8_convert.runtime.hopper.jit import FP_FUSION, LAYOUT_CODE
 from mxfp8_convert.runtime.hopper.quantize import _quantize_kernel
 from mxfp8_convert.runtime.hopper.reduce import _splitk_reduce_kernel
+from mxfp8_convert.runtime.hopper.regroup import (
+    _regroup_activations_kernel,
+    _regroup_weight_kernel,
+)
 from mxfp8_convert.runtime.hopper.rules import choose_config
 from mxfp8_convert.runtime.hopper.tile import _mxfp8_gemm_kernel
 from mxfp8_convert.runtime.weight import CANONICAL, MXFP8Weight
@@ -422,6 +431,88 @@ def dequantize_weight(
     return out
 
 
+def regroup_activations(
+    x: torch.Tensor, *, block_m: int = 32, block_k: int = 512,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Quantize ``x [M, K]`` to MXFP8 (FlashInfer's recipe) and regroup it to one scale per 128
+    elements of K (``regroup.py``): ``(q, scale)``, float8_e4m3fn ``[M, K]`` and fp32
+    ``[M, K/128]`` with strides ``(1, M)`` (cuBLAS's 1x128 operand). K % 128 == 0."""
+    _check_device(x)
+    m, k = x.shape
+    if k % 128 or x.stride(1) != 1:
+        raise LayoutError("activations must be [M, K] with K % 128 == 0 and unit K stride, "
+                          f"got {list(x.shape)}")
+    q = torch.empty((m, k), dtype=torch.uint8, device=x.device)
+    scale = torch.empty((k // 128, m), dtype=torch.float32, device=x.device)
+    block_k = fit_block_k(k, block_k)
+    _regroup_activations_kernel[(cdiv(m, block_m), k // block_k)](
+        x, q, scale, m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
+        enable_fp_fusion=FP_FUSION)
+    return q.view(torch.float8_e4m3fn), scale.t()
+
+
+def regroup_weight(
+    weight: MXFP8Weight, start: int = 0, stop: int | None = None, *,
+    block_n: int = 64, block_k: int = 256,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Logical rows ``[start, stop)`` of the laid-out ``weight [N, K]``, one scale per 128
+    elements of K (``regroup.py``): ``(q, scale)``, float8_e4m3fn ``[rows, K]`` and fp32
+    ``[K/128, rows]`` row-major (cuBLAS's 1x128 operand for ``q.T``). K % 128 == 0."""
+    _check_device(weight.data)
+    n, k = weight.shape
+    stop = n if stop is None else stop
+    if k % 128:
+        raise LayoutError(f"{weight.name or 'weight'}: K={k} is not a multiple of 128")
+    if not 0 <= start <= stop <= n:
+        raise LayoutError(
+            f"{weight.name or 'weight'}: row range [{start}, {stop}) outside [0, {n})")
+    q = torch.empty((stop - start, k), dtype=torch.uint8, device=weight.data.device)
+    scale = torch.empty((k // 128, stop - start), dtype=torch.float32, device=weight.data.device)
+    if stop > start:
+        c, cp4 = _scale_geometry(weight)
+        bk = fit_block_k(k, block_k)
+        _regroup_weight_kernel[(cdiv(stop - start, block_n), k // bk)](
+            weight.data, _scale_operand(weight), q, scale, stop, start, weight.data.stride(0), c,
+            cp4, LAYOUT=LAYOUT_CODE[weight.layout], BLOCK_N=block_n, BLOCK_K=bk, num_warps=4,
+            enable_fp_fusion=FP_FUSION)
+    return q.view(torch.float8_e4m3fn), scale
+
+
+def _launch_block128(
+    x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
+    cfg: GemmConfig,
+) -> torch.Tensor:
+    """Activations quantized and regrouped once; per chunk of ``cfg.chunk_n`` weight rows, the
+    rows regrouped (``regroup.py``) and ``out[:, chunk] = A @ Wq.T (+ bias)`` by cuBLAS's FP8
+    GEMM with 1x128 scales on both operands (``torch._scaled_mm``). Under the interpreter the
+    product of the same regrouped values is taken in fp32 by torch."""
+    n, k = weight.shape
+    if n % 16 or (cfg.chunk_n % 16 and cfg.chunk_n < n):
+        raise LayoutError(f"{weight.name or 'weight'}: the block-128 path needs N and its chunks "
+                          f"in multiples of 16 rows (cuBLAS), got N={n}, chunk_n={cfg.chunk_n}")
+    xq, xs = regroup_activations(x)
+    chunk = min(cfg.chunk_n or n, n)
+    if bias is not None:
+        bias = bias.to(out.dtype)
+    for n0 in range(0, n, chunk):
+        n1 = min(n0 + chunk, n)
+        wq, ws = regroup_weight(weight, n0, n1, block_n=cfg.block_n, block_k=cfg.block_k)
+        b = None if bias is None else bias[n0:n1]
+        if x.device.type == "cpu":
+            a = xq.float() * xs.repeat_interleave(128, dim=1)
+            w = wq.float() * ws.t().repeat_interleave(128, dim=1)
+            res = a @ w.t() if b is None else torch.addmm(b.float(), a, w.t())
+        elif chunk == n:  # one chunk: straight into ``out``
+            torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=b,
+                             out_dtype=torch.bfloat16, out=out)
+            break
+        else:
+            res = torch._scaled_mm(xq, wq.t(), scale_a=xs, scale_b=ws, bias=b,
+                                   out_dtype=torch.bfloat16)
+        out[:, n0:n1] = res
+    return out
+
+
 def _launch_cublas(
     x: torch.Tensor, weight: MXFP8Weight, bias: torch.Tensor | None, out: torch.Tensor,
     cfg: GemmConfig,
@@ -477,6 +568,7 @@ _LAUNCHERS = {
     Kernel.DECODE: _launch_decode,
     Kernel.GEMV: _launch_gemv,
     Kernel.CUBLAS: _launch_cublas,
+    Kernel.BLOCK128: _launch_block128,
     Kernel.WGMMA: _launch_wgmma,
     Kernel.DQMMA: _launch_dqmma,
 }

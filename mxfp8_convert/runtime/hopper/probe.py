@@ -82,6 +82,35 @@ def pdl_enabled(device: torch.device) -> bool:
             and torch.cuda.get_device_capability(device)[0] >= 9)
 
 
+_BLOCK_FP8: dict[int, bool] = {}
+
+
+def block_fp8(device: torch.device) -> bool:
+    """Whether cuBLAS runs an FP8 GEMM with one fp32 scale per 128 elements of K on both
+    operands here (``torch._scaled_mm``'s 1x128 x 1x128 recipe: Hopper and a CUDA 12.9+ build
+    of torch; then asked once per device, :func:`scaled_mm_1x128`)."""
+    if (device.type != "cuda" or not torch.version.cuda
+            or torch.cuda.get_device_capability(device) != (9, 0)
+            or tuple(int(v) for v in torch.version.cuda.split(".")[:2]) < (12, 9)):
+        return False
+    index = device_index(device)
+    if index not in _BLOCK_FP8:
+        _BLOCK_FP8[index] = scaled_mm_1x128(device)
+    return _BLOCK_FP8[index]
+
+
+def scaled_mm_1x128(device: torch.device) -> bool:
+    """A 128 x 256 x 128 ``torch._scaled_mm`` with 1x128 scales on both operands runs on
+    ``device`` (its refusal is a RuntimeError)."""
+    a = torch.zeros((128, 256), dtype=torch.float8_e4m3fn, device=device)
+    s = torch.ones((2, 128), dtype=torch.float32, device=device)  # [K/128, M] and [K/128, N]
+    try:
+        torch._scaled_mm(a, a.t(), scale_a=s.t(), scale_b=s, out_dtype=torch.bfloat16)
+    except (RuntimeError, NotImplementedError):
+        return False
+    return True
+
+
 def weight_prefetch() -> bool:
     """Whether kernels launched with PDL load the weight's first K-tile and scale words, and ask L2
     for the activations' lines, before waiting for the previous kernel (default), or touch every
@@ -97,5 +126,5 @@ def device_facts(device: torch.device) -> DeviceFacts:
     return DeviceFacts(
         sms=num_sms(device), capability=cap, gluon=cap[0] == 9 and gluon() is not None,
         pdl=pdl_enabled(device), weight_prefetch=weight_prefetch(),
-        clusters=device_index(device) not in CLUSTERS_REFUSED,
+        clusters=device_index(device) not in CLUSTERS_REFUSED, block_fp8=block_fp8(device),
     )

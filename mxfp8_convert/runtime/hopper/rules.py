@@ -7,7 +7,8 @@ in order (:data:`RULES`) and falls back to the tile kernel:
 
 1. :func:`serving_rule`: Hopper with Gluon, M = 17 .. ``dqmma_max_m``, K % 128 == 0 (the
    dequantizing wgmma kernel, or the FP8 wgmma kernel at M <= ``serve_wgmma_max_m``).
-2. M >= ``cublas_min_m``: :func:`cublas_config`.
+2. :func:`block128_wins` (prefill on large weights, where cuBLAS has the 1x128 FP8 recipe):
+   :func:`block128_config`; else M >= ``cublas_min_m``: :func:`cublas_config`.
 3. :func:`wgmma_rule`: Hopper with Gluon, M <= 16, K % 128 == 0.
 4. :func:`gemv_rule`: M <= ``gemv_max_m``.
 5. :func:`decode_rule`: M <= ``decode_max_m`` on large-N weights, FP8 tensor cores.
@@ -48,6 +49,7 @@ class DeviceFacts:
     pdl: bool = False  # kernels may launch as programmatic dependents (``probe.pdl_enabled``)
     weight_prefetch: bool = True  # under PDL, the weight's first tiles before the wait
     clusters: bool = True  # thread-block clusters launch (none refused on this device)
+    block_fp8: bool = False  # cuBLAS FP8 GEMM with 1x128 scales (``probe.block_fp8``)
 
     @property
     def hopper(self) -> bool:
@@ -70,6 +72,19 @@ class Tuning:
     cublas_min_m: int = 256
     # its bf16 weight workspace, elements (128 MiB); 8-32 M elements (kept in L2) were no faster
     dequant_workspace: int = 64 * 1024 * 1024
+    # block-128 path (FP8 cuBLAS on operands regrouped to one scale per 128 of K), where cuBLAS
+    # runs that recipe (``DeviceFacts.block_fp8``) and K % 128 == 0: from block128_min_m tokens on
+    # weights of >= block128_min_weight elements, from block128_wide_m on >= block128_min_n rows.
+    # Its FP8 GEMM ran 1.23-1.24x the bf16 one (median) and its two regrouping passes cost as much
+    # as the cuBLAS path's passes save, so it wins where the GEMM dominates (prefill_fp8.py
+    # --block128, H100, one chunk: M = 2048 ahead on all 6 weights of >= 37 M elements,
+    # x0.81-0.90 vs x0.75-0.86, on 1 of the 13 below (Qwen gate_up, 25 M: x0.87 vs x0.83);
+    # M = 8192 ahead on all 15 weights of N >= 2048, x0.81-1.16 vs x0.79-0.95, behind on the 4 of
+    # N <= 1536, x0.37-0.71 vs x0.51-0.73)
+    block128_min_m: int = 2048
+    block128_min_weight: int = 32_000_000
+    block128_wide_m: int = 8192
+    block128_min_n: int = 2048
     # wgmma kernel (M <= 16, Hopper). Below this many weight elements: fewer programs (~2 per SM
     # at M <= 8, ~1 at M = 9..16) and the last program sums the partials; at M = 1 without PDL
     # the GEMV kernel is faster there.
@@ -439,6 +454,29 @@ def cublas_config(m: int, n: int, k: int, *, chunk_n: int = 0) -> GemmConfig:
                       chunk_n=chunk_n)
 
 
+def block128_config(m: int, n: int, k: int, *, chunk_n: int = 0) -> GemmConfig:
+    """The block-128 path: 64 x 256 regrouping tiles, ``chunk_n`` rows per chunk (default: the
+    most multiple-of-128 rows whose FP8 copy fits the bytes of the cuBLAS path's workspace,
+    ``2 * dequant_workspace`` elements, :data:`TUNED`: every model shape in one chunk, where two
+    chunks of half that cost DeepSeek o_proj / MLP down / MLP gate_up at M = 8192 x0.92 / 0.93 /
+    0.98 against x1.01 / 1.03 / 1.16 in one, prefill_fp8.py --block128, H100)."""
+    if not chunk_n:
+        chunk_n = min(n, max(128, 2 * TUNED.dequant_workspace // k // 128 * 128))
+    return GemmConfig(64, 0, fit_block_k(k, 256), Kernel.BLOCK128, fuse_quant=False,
+                      chunk_n=chunk_n)
+
+
+def block128_wins(m: int, n: int, k: int, facts: DeviceFacts) -> bool:
+    """The block-128 path serves (M, N, K) (:data:`TUNED`, ``block128_*``): cuBLAS has the
+    recipe, K % 128 == 0, N % 16 == 0 (cuBLAS's FP8 operands) and M >= ``block128_min_m`` on a
+    weight of >= ``block128_min_weight`` elements, or M >= ``block128_wide_m`` and N >=
+    ``block128_min_n``."""
+    t = TUNED
+    if not facts.block_fp8 or k % 128 or n % 16 or m < t.block128_min_m:
+        return False
+    return n * k >= t.block128_min_weight or (m >= t.block128_wide_m and n >= t.block128_min_n)
+
+
 def tile_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
     """The tile kernel, by M (:data:`TUNED`): up to ``tile_stream_max_m`` 64-row weight tiles,
     split-K up to ~``tile_small_waves`` programs per SM on weights under
@@ -608,6 +646,8 @@ def choose_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
     """The config of a GEMM ``[M, K] x [N, K]^T`` on a device with ``facts`` (module docstring)."""
     if (cfg := serving_rule(m, n, k, facts)) is not None:
         return cfg
+    if block128_wins(m, n, k, facts):
+        return block128_config(m, n, k)
     if m >= TUNED.cublas_min_m:
         return cublas_config(m, n, k)
     for rule in RULES:
