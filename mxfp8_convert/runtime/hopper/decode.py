@@ -10,7 +10,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mxfp8_convert.runtime.hopper.jit import _pow2_f32, _round_e4m3, _scale_row_base, _ue8m0_code
+from mxfp8_convert.runtime.hopper.jit import (
+    _physical_rows,
+    _pow2_f32,
+    _round_e4m3,
+    _scale_row_base,
+    _ue8m0_code,
+)
 
 
 @triton.jit(do_not_specialize=["M", "split_k"])
@@ -42,8 +48,7 @@ def _mxfp8_decode_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # clamp the tail: loads stay in bounds, stores are masked
     rows_n = rows
-    if LAYOUT == 1:  # trtllm: logical row l lives at physical row 32*(l//32) + 8*(l%4) + (l%32)//4
-        rows = (rows // 32) * 32 + 8 * (rows % 4) + (rows % 32) // 4
+    rows = _physical_rows(rows, LAYOUT)
     offs_m = tl.arange(0, BLOCK_M)
     cols = tl.minimum(offs_m, M - 1).to(tl.int64)
     offs_b = tl.arange(0, 32)

@@ -7,7 +7,12 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mxfp8_convert.runtime.hopper.jit import _dequant_weight, _load_codes, _scale_row_base
+from mxfp8_convert.runtime.hopper.jit import (
+    _dequant_weight,
+    _load_codes,
+    _physical_rows,
+    _scale_row_base,
+)
 
 
 @triton.jit
@@ -21,8 +26,7 @@ def _dequantize_weight_kernel(
     offs_n = n0 + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kt = tl.program_id(1)
     rows = tl.minimum(offs_n, N - 1)  # clamp the tail: loads stay in bounds, stores are masked
-    if LAYOUT == 1:  # trtllm: logical row l lives at physical row 32*(l//32) + 8*(l%4) + (l%32)//4
-        rows = (rows // 32) * 32 + 8 * (rows % 4) + (rows % 32) // 4
+    rows = _physical_rows(rows, LAYOUT)
     offs_k = tl.arange(0, BLOCK_K)
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + kt * BLOCK_K + offs_k[None, :])
     s_base = s_ptr + _scale_row_base(rows, scale_c, scale_cp4, LAYOUT)[:, None]

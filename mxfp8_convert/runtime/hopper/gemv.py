@@ -9,7 +9,13 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from mxfp8_convert.runtime.hopper.jit import _load_codes, _mx_fake_quant, _pow2_f32, _scale_row_base
+from mxfp8_convert.runtime.hopper.jit import (
+    _load_codes,
+    _mx_fake_quant,
+    _physical_rows,
+    _pow2_f32,
+    _scale_row_base,
+)
 
 
 @triton.jit
@@ -133,8 +139,7 @@ def _mxfp8_gemv_kernel(
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)  # clamp the tail: loads stay in bounds, stores are masked
     rows_n = rows
-    if LAYOUT == 1:  # trtllm: logical row l lives at physical row 32*(l//32) + 8*(l%4) + (l%32)//4
-        rows = (rows // 32) * 32 + 8 * (rows % 4) + (rows % 32) // 4
+    rows = _physical_rows(rows, LAYOUT)
     BKW: tl.constexpr = BLOCK_K // 4 if WORDS else BLOCK_K  # loaded elements per row and K-tile
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + tl.arange(0, BKW)[None, :]
     s_base = s_ptr + _scale_row_base(rows, scale_c, scale_cp4, LAYOUT)[:, None]

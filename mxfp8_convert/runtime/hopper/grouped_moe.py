@@ -33,6 +33,7 @@ from mxfp8_convert.runtime.hopper.jit import (
     _dequant_weight,
     _load_codes,
     _mx_fake_quant,
+    _physical_rows,
     _scale_row_base,
 )
 from mxfp8_convert.runtime.hopper.launch import _check_device, quantize_activations
@@ -68,7 +69,7 @@ def _grouped_mxfp8_kernel(
 
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
     rows = tl.minimum(offs_n, N - 1)
-    rows = (rows // 32) * 32 + 8 * (rows % 4) + (rows % 32) // 4  # physical row of logical row
+    rows = _physical_rows(rows, 1)  # the trtllm gather
     offs_m = r0 + tl.arange(0, BLOCK_M)
     m_in = offs_m < r1
     mrow = tl.minimum(offs_m, r1 - 1)

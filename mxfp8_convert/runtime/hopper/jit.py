@@ -93,6 +93,15 @@ def _mx_fake_quant(xf, AXIS: tl.constexpr):
 
 
 @triton.jit
+def _physical_rows(rows, LAYOUT: tl.constexpr):
+    """Physical rows of logical weight rows ``rows``: trtllm (LAYOUT 1, ``shuffle_matrix_a``)
+    stores logical row l at 32*(l//32) + 8*(l%4) + (l%32)//4; the other layouts as they are."""
+    if LAYOUT == 1:
+        rows = (rows // 32) * 32 + 8 * (rows % 4) + (rows % 32) // 4
+    return rows
+
+
+@triton.jit
 def _scale_row_base(rows, scale_c, scale_cp4, LAYOUT: tl.constexpr):
     """Offset of (physical row, scale column 0): in bytes (canonical) or int32 words (128x4)."""
     if LAYOUT == 2:  # canonical: linear uint8 [N, C]

@@ -19,6 +19,7 @@ from mxfp8_convert.runtime.hopper.jit import (
     _e4m3_byte,
     _load_codes,
     _mx_fake_quant,
+    _physical_rows,
     _pow2_f32,
     _round_e4m3,
     _scale_row_base,
@@ -69,8 +70,7 @@ def _regroup_weight_kernel(
     offs_n = n0 + tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     kt = tl.program_id(1)
     rows = tl.minimum(offs_n, N - 1)
-    if LAYOUT == 1:  # trtllm: logical row l lives at physical row 32*(l//32) + 8*(l%4) + (l%32)//4
-        rows = (rows // 32) * 32 + 8 * (rows % 4) + (rows % 32) // 4
+    rows = _physical_rows(rows, LAYOUT)
     offs_k = tl.arange(0, BLOCK_K)
     w = tl.load(w_ptr + rows.to(tl.int64)[:, None] * stride_wn + kt * BLOCK_K + offs_k[None, :])
     s_base = s_ptr + _scale_row_base(rows, scale_c, scale_cp4, LAYOUT)[:, None]

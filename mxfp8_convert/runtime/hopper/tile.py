@@ -18,6 +18,7 @@ from mxfp8_convert.runtime.hopper.jit import (
     _dequant_weight,
     _load_codes,
     _mx_fake_quant,
+    _physical_rows,
     _scale_row_base,
 )
 
@@ -53,8 +54,7 @@ def _mxfp8_gemm_kernel(
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)
     rows = tl.minimum(offs_n, N - 1)  # clamp the tail: loads stay in bounds, stores are masked
     rows_n = rows  # logical output column of each tile row (clamped), for the bias
-    if LAYOUT == 1:  # gather: logical row l lives at physical row 32*(l//32) + 8*(l%4) + (l%32)//4
-        rows = (rows // 32) * 32 + 8 * (rows % 4) + (rows % 32) // 4
+    rows = _physical_rows(rows, LAYOUT)
     cols = tl.minimum(offs_m, M - 1).to(tl.int64)
     offs_k = tl.arange(0, BLOCK_K)
     w_ptrs = w_ptr + rows.to(tl.int64)[:, None] * stride_wn + offs_k[None, :]
