@@ -63,6 +63,13 @@ def driver_cuda_version() -> tuple[int, int] | None:
     return (v // 1000, v % 1000 // 10) if v else None
 
 
+def torch_cuda_version() -> tuple[int, int] | None:
+    """The CUDA version torch was built with, or None for a build without CUDA."""
+    if not torch.version.cuda:
+        return None
+    return tuple(int(v) for v in torch.version.cuda.split(".")[:2])
+
+
 def pdl_enabled(device: torch.device) -> bool:
     """Whether kernels may launch as programmatic dependents (PDL): on Hopper or newer, with a
     CUDA 12.4+ build of torch and driver (CUDA graphs capture the programmatic edges), a Triton
@@ -73,10 +80,10 @@ def pdl_enabled(device: torch.device) -> bool:
     only asked of L2 then, a hint that reads no value), so the previous kernel must not be the one
     that writes the weight (an in-place weight update is followed by a synchronization, or run
     with ``MXFP8_PDL=strict``). A kernel launched without the attribute is not affected."""
+    cuda = torch_cuda_version()
     if (os.environ.get("MXFP8_PDL", "1") == "0" or jit.gdc_wait is None or device.type != "cuda"
-            or not torch.version.cuda):
+            or cuda is None):
         return False
-    cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
     driver = driver_cuda_version()  # minor-version compatibility: a 12.4+ torch on older drivers
     return (cuda >= (12, 4) and (driver is None or driver >= (12, 4))
             and torch.cuda.get_device_capability(device)[0] >= 9)
@@ -89,9 +96,9 @@ def block_fp8(device: torch.device) -> bool:
     """Whether cuBLAS runs an FP8 GEMM with one fp32 scale per 128 elements of K on both
     operands here (``torch._scaled_mm``'s 1x128 x 1x128 recipe: Hopper and a CUDA 12.9+ build
     of torch; then asked once per device, :func:`scaled_mm_1x128`)."""
-    if (device.type != "cuda" or not torch.version.cuda
-            or torch.cuda.get_device_capability(device) != (9, 0)
-            or tuple(int(v) for v in torch.version.cuda.split(".")[:2]) < (12, 9)):
+    cuda = torch_cuda_version()
+    if (device.type != "cuda" or cuda is None or cuda < (12, 9)
+            or torch.cuda.get_device_capability(device) != (9, 0)):
         return False
     index = device_index(device)
     if index not in _BLOCK_FP8:
