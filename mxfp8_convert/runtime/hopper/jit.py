@@ -1,8 +1,10 @@
 """Triton JIT helpers shared by every kernel of this package (the Gluon kernel too).
 
-Scalar helpers work elementwise on fp32 / int32 tensors; rounding to e4m3 is done in fp32
-arithmetic (the magic-number trick), not by a float8 cast, so it is bit-exact round-to-nearest-
-even on every device and in Triton's interpreter, whose float8/bf16 casts truncate. The address
+Scalar helpers work elementwise on fp32 / int32 tensors. Rounding to e4m3 (ties to even) is
+done by the GPU's conversion instruction where the kernel is told so (``HW_ROUND``, from
+``probe.e4m3_conversion``: compute capability 8.9 and later), else in fp32 arithmetic (the
+magic-number trick, ``_round_e4m3``), which is bit-exact on every device and in Triton's
+interpreter, whose float8/bf16 casts do not round ties to even. The address
 helpers read the laid-out weight in place: for trtllm, logical row ``l`` lives at physical row
 ``32*(l//32) + 8*(l%4) + (l%32)//4`` (the inverse of the P32 shuffle, docs/FORMAT.md), its scale
 at the 128x4 offset of that *physical* row.
@@ -78,15 +80,31 @@ def _e4m3_byte(r):
 
 
 @triton.jit
-def _mx_fake_quant(xf, AXIS: tl.constexpr):
+def _e4m3_bytes(y, HW_ROUND: tl.constexpr):
+    """uint8 e4m3fn bytes of fp32 ``y`` rounded to nearest (ties to even), saturating at +-448:
+    by the GPU's conversion (``cvt.rn.satfinite.e4m3x2.f32``, two elements an instruction) where
+    ``HW_ROUND`` (``probe.e4m3_conversion``), else in fp32 arithmetic (Triton's interpreter, whose
+    float8 cast does not round ties to even)."""
+    if HW_ROUND:
+        return y.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
+    else:
+        return _e4m3_byte(_round_e4m3(y))
+
+
+@triton.jit
+def _mx_fake_quant(xf, AXIS: tl.constexpr, HW_ROUND: tl.constexpr = False):
     """Quantize-dequantize fp32 ``xf`` whose 32-blocks run along ``AXIS`` of a 3-D tensor.
 
     Returns ``(deq, r, code)``: exact fp32 ``q * 2^(code-127)``, the e4m3 values ``q`` (fp32) and
-    the int32 codes (``AXIS`` reduced away).
+    the int32 codes (``AXIS`` reduced away). ``HW_ROUND``: rounded by the GPU's conversion
+    (``_e4m3_bytes``), the same values.
     """
     code = _ue8m0_code(tl.max(tl.abs(xf), axis=AXIS))
     inv = tl.expand_dims(_pow2_f32(254 - code), AXIS)  # 2^(127-code)
-    r = _round_e4m3(xf * inv)
+    if HW_ROUND:
+        r = (xf * inv).to(tl.float8e4nv).to(tl.float32)
+    else:
+        r = _round_e4m3(xf * inv)
     deq = r * tl.expand_dims(_pow2_f32(code), AXIS)
     return deq, r, code
 

@@ -113,7 +113,8 @@ def quantize_activations(
     grid = (cdiv(m, block_m), cdiv(k, block_k))
     _quantize_kernel[grid](x, deq, q, code, m, k, x.stride(0), WRITE_DEQ=dequantized,
                            WRITE_Q=codes, BLOCK_M=block_m, BLOCK_K=block_k, PERM_DEQ=permuted,
-                           PDL=pdl, num_warps=4, enable_fp_fusion=FP_FUSION,
+                           PDL=pdl, HW_ROUND=probe.e4m3_conversion(x.device), num_warps=4,
+                           enable_fp_fusion=FP_FUSION,
                            **({"launch_pdl": True} if pdl else {}))
     if dequantized:
         out["deq"] = deq.view(m, 4, k // 4) if permuted else deq
@@ -312,7 +313,7 @@ def _quantize_codes(x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     bk = min(128, next_pow2(k))
     _quantize_kernel[(cdiv(m, 16), cdiv(k, bk))](
         x, x, xq, xc, m, k, x.stride(0), WRITE_DEQ=False, WRITE_Q=True, BLOCK_M=16, BLOCK_K=bk,
-        num_warps=4, enable_fp_fusion=FP_FUSION)
+        HW_ROUND=probe.e4m3_conversion(x.device), num_warps=4, enable_fp_fusion=FP_FUSION)
     return xq.view(torch.float8_e4m3fn), xc
 
 
@@ -446,8 +447,8 @@ def regroup_activations(
     scale = torch.empty((k // 128, m), dtype=torch.float32, device=x.device)
     block_k = fit_block_k(k, block_k)
     _regroup_activations_kernel[(cdiv(m, block_m), k // block_k)](
-        x, q, scale, m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k, num_warps=4,
-        enable_fp_fusion=FP_FUSION)
+        x, q, scale, m, k, x.stride(0), BLOCK_M=block_m, BLOCK_K=block_k,
+        HW_ROUND=probe.e4m3_conversion(x.device), num_warps=4, enable_fp_fusion=FP_FUSION)
     return q.view(torch.float8_e4m3fn), scale.t()
 
 
@@ -473,7 +474,8 @@ def regroup_weight(
         bk = fit_block_k(k, block_k)
         _regroup_weight_kernel[(cdiv(stop - start, block_n), k // bk)](
             weight.data, _scale_operand(weight), q, scale, stop, start, weight.data.stride(0), c,
-            cp4, LAYOUT=LAYOUT_CODE[weight.layout], BLOCK_N=block_n, BLOCK_K=bk, num_warps=4,
+            cp4, LAYOUT=LAYOUT_CODE[weight.layout], BLOCK_N=block_n, BLOCK_K=bk,
+            HW_ROUND=probe.e4m3_conversion(weight.data.device), num_warps=4,
             enable_fp_fusion=FP_FUSION)
     return q.view(torch.float8_e4m3fn), scale
 

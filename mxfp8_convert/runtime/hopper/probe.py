@@ -7,6 +7,7 @@ allows it, ``strict`` on with every memory access after the wait, ``0`` off.
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -26,6 +27,20 @@ INTERPRETER_SMS = 4
 def interpreting() -> bool:
     """True when Triton runs its CPU interpreter (``TRITON_INTERPRET=1``)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def e4m3_conversion(device: torch.device) -> bool:
+    """Whether kernels on ``device`` round to e4m3 by the GPU's conversion instruction
+    (``cvt.rn.satfinite.e4m3x2.f32``: compute capability 8.9 and later) rather than in fp32
+    arithmetic (``jit._e4m3_bytes``); never under the interpreter, whose float8 cast does not
+    round ties to even."""
+    return (device.type == "cuda" and not interpreting()
+            and _capability(device_index(device)) >= (8, 9))
+
+
+@functools.cache
+def _capability(index: int) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(index)
 
 
 def num_sms(device: torch.device) -> int:
