@@ -147,13 +147,24 @@ def rel_err(out, x, q, code) -> float:
     return float((out.double() - ref).norm() / ref.norm())
 
 
+def software_rounding():
+    """The kernels as under Triton's interpreter: e4m3 rounding in fp32 arithmetic
+    (``jit._round_e4m3``) instead of the GPU's conversion (``probe.e4m3_conversion``)."""
+    from unittest import mock
+
+    from mxfp8_convert.runtime.hopper import probe
+
+    return mock.patch.object(probe, "interpreting", lambda: True)
+
+
 def _quant_calls(xs, quantize):
     return lambda i: (lambda: quantize(xs[i]))
 
 
 def quant_share_rows(shapes, ms) -> list[dict]:
     """Time the activation-quantization pass alone next to the whole GEMM (rule config, trtllm)
-    and bf16: how much of a large-M GEMM the separate pass costs."""
+    and bf16: how much of a large-M GEMM the separate pass costs; then both again with the e4m3
+    rounding in fp32 arithmetic (``software_rounding``) against the GPU's conversion."""
     from mxfp8_convert.runtime.hopper import choose_config, device_facts, quantize_activations
 
     rows = []
@@ -167,6 +178,9 @@ def quant_share_rows(shapes, ms) -> list[dict]:
             xs = [x.clone() for _ in range(copies)]
             t_q = time_graph(_quant_calls(xs, quantize_activations), copies)
             t_mx, t_bf = time_mx(x, w, cfg), time_bf16(x, wbf)
+            with software_rounding():
+                t_q_sw = time_graph(_quant_calls(xs, quantize_activations), copies)
+                t_mx_sw = time_mx(x, w, cfg)
             rows.append(
                 {
                     "shape": name,
@@ -177,6 +191,8 @@ def quant_share_rows(shapes, ms) -> list[dict]:
                     "gemm_ms": t_mx,
                     "bf16_ms": t_bf,
                     "quant_tbps": m * k * 4 / t_q / 1e9,
+                    "quant_sw_ms": t_q_sw,
+                    "gemm_sw_ms": t_mx_sw,
                     "config": cfg.to_dict(),
                 }
             )
@@ -184,7 +200,8 @@ def quant_share_rows(shapes, ms) -> list[dict]:
                 f"{name:32s} M={m:5d} quantize {t_q * 1e3:7.1f} us "
                 f"({m * k * 4 / t_q / 1e9:.2f} TB/s) = {t_q / t_mx:5.1%} of the MXFP8 GEMM "
                 f"{t_mx * 1e3:7.1f} us; bf16 {t_bf * 1e3:7.1f} us: "
-                f"x{t_bf / t_mx:.2f}, x{t_bf / (t_mx - t_q):.2f} without the pass",
+                f"x{t_bf / t_mx:.2f}, x{t_bf / (t_mx - t_q):.2f} without the pass; fp32 "
+                f"rounding: quantize {t_q_sw * 1e3:7.1f} us, GEMM x{t_bf / t_mx_sw:.2f}",
                 flush=True,
             )
             del xs

@@ -20,7 +20,10 @@ in three modes:
 
 ``--block128`` times the product's block-128 path instead (``runtime/hopper/regroup.py``: both
 operands regrouped to one scale per 128 of K, cuBLAS's 1x128 FP8 GEMM) in one chunk, its GEMM
-alone on operands regrouped beforehand, and its passes (activations, weight, both) alone.
+alone on operands regrouped beforehand, and its passes (activations, weight, both) alone; then
+the path and its passes again with the e4m3 rounding done in fp32 arithmetic, as under Triton's
+interpreter (``-sw``), against the GPU's conversion that the product uses (the check first
+asserts that both give the same bytes).
 
 Rows (trtllm layout, the model shapes of ``runtime/hopper/shapes.py``): bf16 ``F.linear``, the
 rule's path, the cuBLAS path (``rules.cublas_config``) and each mode x tile, timed as
@@ -216,8 +219,8 @@ def block128_piped(x: torch.Tensor, w: MXFP8Weight, chunks: int) -> torch.Tensor
 
 def time_block128(xs, ws, copies, piped: bool) -> dict[str, float]:
     """The regrouped path whole, its cuBLAS GEMM alone (operands regrouped beforehand) and its
-    two regroup passes alone."""
-    from bench_gemm import time_graph
+    two regroup passes alone; the path and its passes again with fp32-arithmetic rounding."""
+    from bench_gemm import software_rounding, time_graph
 
     from mxfp8_convert.runtime.hopper.config import GemmConfig, Kernel
     from mxfp8_convert.runtime.hopper.launch import (
@@ -246,13 +249,18 @@ def time_block128(xs, ws, copies, piped: bool) -> dict[str, float]:
     t["block128-weight"] = time_graph(lambda i: (lambda: regroup_weight(ws[i])), copies)
     t["block128-passes"] = time_graph(
         lambda i: (lambda: (regroup_activations(xs[i]), regroup_weight(ws[i]))), copies)
+    with software_rounding():
+        t["block128-sw"] = time_graph(
+            lambda i: (lambda: triton_linear(xs[i], ws[i], config=cfg)), copies)
+        t["block128-act-sw"] = time_graph(lambda i: (lambda: regroup_activations(xs[i])), copies)
+        t["block128-weight-sw"] = time_graph(lambda i: (lambda: regroup_weight(ws[i])), copies)
     return t
 
 
 def check(device: str, modes=(0, 1)) -> list[dict]:
     """Modes 0 and 1 against the float64 reference of the same quantized operands, both layouts,
     a tail in M and N; one line each."""
-    from bench_gemm import rel_err
+    from bench_gemm import rel_err, software_rounding
 
     rows = []
     g = torch.Generator(device=device).manual_seed(1)
@@ -278,6 +286,16 @@ def check(device: str, modes=(0, 1)) -> list[dict]:
                 err = rel_err(triton_linear(x, w, config=cfg), x, q, code)
                 rows.append({"layout": layout, "block128": chunk, "rel_err": err})
                 print(f"check {layout} block128 chunk {chunk}: rel_err {err:.2e}", flush=True)
+            from mxfp8_convert.runtime.hopper.launch import regroup_activations, regroup_weight
+
+            hw = regroup_activations(x), regroup_weight(w)
+            with software_rounding():
+                sw = regroup_activations(x), regroup_weight(w)
+            same = all(torch.equal(a.view(torch.uint8), b.view(torch.uint8))
+                       and torch.equal(sa, sb) for (a, sa), (b, sb) in zip(hw, sw, strict=True))
+            rows.append({"layout": layout, "regroup_hw_equals_sw": same})
+            print(f"check {layout} regroup: GPU rounding bytes == fp32 rounding bytes: {same}",
+                  flush=True)
             for chunks in (2, 4):
                 err = rel_err(block128_piped(x, w, chunks), x, q, code)
                 rows.append({"layout": layout, "block128_piped": chunks, "rel_err": err})
@@ -350,7 +368,8 @@ def main() -> None:
                              if key.split(":")[0] == str(mo)), default=0.0)
                     for mo in modes + (["piped"] if args.piped else [])
                     + (["block128", "block128-gemm", "block128-act", "block128-weight",
-                       "block128-passes"] if args.block128 else [])
+                       "block128-passes", "block128-sw", "block128-act-sw",
+                       "block128-weight-sw"] if args.block128 else [])
                     + (["block128-piped2", "block128-piped4"] if args.block128_piped else [])}
             row["best"] = best
             rows.append(row)
