@@ -11,6 +11,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from mxfp8_convert.runtime.hopper.config import Kernel
 from mxfp8_convert.runtime.hopper.rules import TUNED, DeviceFacts, choose_config, serving_rule
@@ -369,6 +370,21 @@ def test_block_fp8_probe(monkeypatch, kw, runs, want, asks):
     monkeypatch.setattr(probe, "scaled_mm_1x128", lambda device: asked.append(device) or runs)
     assert probe.block_fp8(dev) is want and probe.block_fp8(dev) is want
     assert len(asked) == asks  # once per device
+
+
+@pytest.mark.parametrize("capability,interpreting,want", [
+    ((9, 0), False, True), ((10, 0), False, True), ((8, 9), False, True),  # cvt ... e4m3x2: sm_89+
+    ((8, 0), False, False), ((9, 0), True, False),  # the interpreter: fp32-arithmetic rounding
+])
+def test_e4m3_conversion_where_the_gpu_has_it(monkeypatch, capability, interpreting, want):
+    probe, dev = _probe(monkeypatch, capability=capability)
+    monkeypatch.setattr(probe, "interpreting", lambda: interpreting)
+    probe._capability.cache_clear()
+    try:
+        assert probe.e4m3_conversion(dev) is want
+        assert probe.e4m3_conversion(torch.device("cpu")) is False
+    finally:
+        probe._capability.cache_clear()
 
 
 def test_block128_rule():
