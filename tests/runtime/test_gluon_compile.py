@@ -11,15 +11,14 @@ the e4m3 tile and the wgmma that reads it, the hardware's e4m3 conversion of jus
 
 from __future__ import annotations
 
-import os
 import re
-import subprocess
 
 import pytest
 import torch
 
 wgmma_mod = pytest.importorskip("mxfp8_convert.runtime.hopper.wgmma")
 from mxfp8_convert.runtime.hopper.jit import FP_FUSION  # noqa: E402  (compiled as launched)
+from tests.runtime.sass import cuobjdump_sass, instructions  # noqa: E402
 
 
 def _sass(
@@ -112,29 +111,14 @@ def _sass(
         options={"num_warps": block_n // 16, "enable_fp_fusion": FP_FUSION},
     )
     assert kernel.metadata.shared <= 64 * 1024
-    cubin = kernel.asm["cubin"]
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                        f"mxfp8_gluon_{os.getpid()}_{bm}_{qm}_{layout}_{serial}_{fuse}_{pdl}_{words}_{cluster}_{block_n}_{prefetch}"
-                        f"_{x_prefetch}.cubin")
-    with open(path, "wb") as f:
-        f.write(cubin)
-    try:
-        return subprocess.run(
-            [os.path.join(tools, "cuobjdump"), "-sass", path],
-            capture_output=True,
-            text=True,
-            check=True,
-        ).stdout
-    finally:
-        os.unlink(path)
+    return cuobjdump_sass(kernel.asm["cubin"])
 
 
 def _k_loop(sass: str) -> list[str]:
     """The instructions of the K-tile loop: up to its back edge, the first backward branch after
     the QGMMAs that jumps to before them (the mbarrier wait's retry blocks, also jumping back,
     lie past the end of the kernel)."""
-    ins = [(int(a, 16), t) for a, t in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass, re.M)]
+    ins = instructions(sass)
     mma = [a for a, t in ins if "QGMMA" in t]
     edges = [(a, int(m.group(1), 16)) for a, t in ins if (m := re.search(r"BRA (0x[0-9a-f]+)", t))]
     end, start = min((a, target) for a, target in edges if target < mma[0] and a > mma[-1])
@@ -208,7 +192,7 @@ def test_pdl_waits_for_the_previous_kernel_before_any_memory_access(fuse):
         r"\b(LDG|STG|LDS|STS|ATOM|ATOMG|RED|UTMALDG|UTMAPF|SYNCS)\b"
     )  # not LDC: parameters
     sass = _sass(8, "trtllm", True, fuse, pdl=True)
-    ins = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", sass, re.M)
+    ins = [t for _, t in instructions(sass)]
     first_wait = next(i for i, t in enumerate(ins) if t.startswith("ACQBULK"))
     assert not any(memory.search(t) for t in ins[:first_wait])
     assert any(t.startswith("PREEXIT") for t in ins[first_wait:])
@@ -237,7 +221,7 @@ def test_prefetch_loads_only_the_weight_before_the_wait(x_prefetch, words):
         prefetch=True,
         x_prefetch=x_prefetch,
     )
-    ins = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", sass, re.M)
+    ins = [t for _, t in instructions(sass)]
     wait = next(i for i, t in enumerate(ins) if t.startswith("ACQBULK"))
     before, after = ins[:wait], ins[wait:]
     assert any("UTMALDG" in t for t in before)
@@ -360,7 +344,7 @@ def test_cluster_reduction_goes_through_distributed_shared_memory(bm, cluster):
     kernel without clusters (the peak bounds how many programs share an SM)."""
     sass = _sass(bm, "trtllm", False, True, bm, pdl=True, words=True, cluster=cluster)
     plain = _sass(bm, "trtllm", False, True, bm, pdl=True, words=True)
-    ins = re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", sass, re.M)
+    ins = [t for _, t in instructions(sass)]
     arrive = [i for i, t in enumerate(ins) if t.startswith("UCGABAR_ARV")]
     wait = [i for i, t in enumerate(ins) if t.startswith("UCGABAR_WAIT")]
     assert len(arrive) == len(wait) == 2 and arrive[0] < wait[0] < arrive[1] < wait[1]
@@ -490,23 +474,8 @@ def _dqmma_sass(block_n: int, bm: int, stages: int, layout: str, partial: bool,
              for a in ("s_ptr", "out_ptr", "ws_ptr", "N", "K", "stride_om")}
     src = GluonASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs)
     kernel = triton.compile(src, target=GPUTarget("cuda", 90, 32), options=options)
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                        f"mxfp8_dqmma_{os.getpid()}_{block_n}_{bm}_{stages}_{layout}_{pdl}"
-                        f"_{prefetch}.cubin")
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path],
-                              capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
+    sass = cuobjdump_sass(kernel.asm["cubin"])
     return sass, kernel.metadata.shared
-
-
-def _instructions(sass: str) -> list[tuple[int, str]]:
-    return [(int(a, 16), t) for a, t in re.findall(r"^\s+/\*([0-9a-f]{4,})\*/\s+(.*?);", sass,
-                                                    re.M)]
 
 
 @pytest.mark.parametrize("block_n,bm,stages,layout,partial,fast", [
@@ -532,7 +501,7 @@ def test_dqmma_kernel_keeps_its_bf16_wgmmas_in_flight(block_n, bm, stages, layou
     assert ("F2FP.F16.E4M3.UNPACK_B" in sass) != fast
     assert sass.count("HMUL2.BF16_V2") == (64 if fast else 0)
     assert "UTMALDG" in sass
-    ins = _instructions(sass)
+    ins = instructions(sass)
     hgmma = [a for a, t in ins if "HGMMA" in t]
     assert not [t for a, t in ins if hgmma[0] <= a <= hgmma[-1] and re.search(r"\b(STL|LDL)\b", t)]
     assert shared <= 227 * 1024
@@ -552,7 +521,7 @@ def test_specialized_dqmma_has_no_cta_barrier_in_its_k_loop(block_n, bm, stages,
     assert len(mma) == 16 * cons, len(mma)
     assert sass.count("HMUL2.BF16_V2") == 64 * cons
     assert "UTMALDG" in sass and "USETMAXREG" in sass and "SYNCS.ARRIVE" in sass
-    ins = _instructions(sass)
+    ins = instructions(sass)
     loops = []  # K loops: a backward branch over one K-tile's 8 HGMMAs
     for a, t in ins:
         if (j := re.search(r"BRA (?:`\(\.L_x_\d+\) )?0x([0-9a-f]+)", t)) and int(j[1], 16) < a:
@@ -583,7 +552,7 @@ def test_dqmma_pdl_reads_the_activations_only_after_the_wait(specialized, prefet
     block_n, bm, stages = (128, 128, 4) if specialized else (64, 64, 3)
     sass, _ = _dqmma_sass(block_n, bm, stages, "trtllm", True, specialized=specialized,
                           pdl=True, prefetch=prefetch)
-    ins = [t for _, t in _instructions(sass)]
+    ins = [t for _, t in instructions(sass)]
     cuts = [i for i, t in enumerate(ins) if "USETMAXREG" in t] if specialized else []
     parts = [ins[a:b] for a, b in zip([0, *cuts], [*cuts, len(ins)], strict=True)]
     glob = re.compile(r"\b(LDG|STG|ATOM|ATOMG|RED|UTMALDG)\b")

@@ -8,10 +8,6 @@ here, that the GPU build takes the conversion and is the shorter program."""
 
 from __future__ import annotations
 
-import os
-import re
-import subprocess
-
 import pytest
 
 triton = pytest.importorskip("triton")
@@ -24,6 +20,7 @@ except ImportError:  # pragma: no cover - older Triton
 
 from mxfp8_convert.runtime.hopper import quantize, regroup  # noqa: E402
 from mxfp8_convert.runtime.hopper.jit import FP_FUSION, LAYOUT_CODE  # noqa: E402
+from tests.runtime.sass import cuobjdump_sass, instructions  # noqa: E402
 
 ACT = (regroup._regroup_activations_kernel,
        {"x_ptr": "*bf16", "q_ptr": "*u8", "s_ptr": "*fp32", "M": "i32", "K": "i32",
@@ -52,17 +49,7 @@ def _sass(fn, sig: dict, const: dict) -> list[str]:
     kernel = triton.compile(ASTSource(fn=fn, signature=sig, constexprs=const, attrs=attrs),
                             target=GPUTarget("cuda", 90, 32),
                             options={"num_warps": 4, "enable_fp_fusion": FP_FUSION})
-    tools = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin")
-    path = os.path.join(os.environ.get("TMPDIR", "/tmp"),
-                        f"mxfp8_regroup_{os.getpid()}_{fn.__name__}.cubin")
-    with open(path, "wb") as f:
-        f.write(kernel.asm["cubin"])
-    try:
-        sass = subprocess.run([os.path.join(tools, "cuobjdump"), "-sass", path],
-                              capture_output=True, text=True, check=True).stdout
-    finally:
-        os.unlink(path)
-    return re.findall(r"^\s+/\*[0-9a-f]{4,}\*/\s+(.*?);", sass, re.M)
+    return [t for _, t in instructions(cuobjdump_sass(kernel.asm["cubin"]))]
 
 
 @pytest.mark.parametrize("kernel,layout", [(QUANT, None), (ACT, None), (WEIGHT, "trtllm"),
@@ -77,9 +64,9 @@ def test_kernels_round_by_the_gpus_e4m3_conversion(kernel, layout):
     sw = _sass(fn, sig, {**const, "HW_ROUND": False})
     elements = const["BLOCK_K"] * const.get("BLOCK_M", const.get("BLOCK_N")) // 128  # a thread's
     packs = sum("F2FP.SATFINITE.E4M3.F32.PACK_AB" in t for t in hw)
-    # one pack per two outputs of a rounding: the regrouped activations are rounded twice
-    # (FlashInfer's 32-block values, then the 128-block regroup), the rest once (the quantization
-    # kernel's bytes are its rounded values converted again, which is exact)
+    # one pack per two outputs of a conversion: the regrouped activations are rounded twice
+    # (FlashInfer's 32-block values, then the 128-block regroup); the quantization kernel rounds
+    # once and converts its rounded values to bytes again (exact); the weight is rounded once
     roundings = {regroup._regroup_activations_kernel: 2, quantize._quantize_kernel: 2}.get(fn, 1)
     assert packs == elements * roundings // 2
     assert not any("F2FP.SATFINITE.E4M3" in t for t in sw)
