@@ -669,6 +669,34 @@ def test_block128_path_agrees(layout, bias_dtype):
         assert rel_err(out, regrouped) <= 3e-3, chunk
 
 
+@pytest.mark.parametrize("m", [1, 3, 16, 32, 64, 300, 2048, 8192])
+def test_nan_activation_makes_its_row_nan(m):
+    """A NaN activation makes its whole output row NaN, as bf16 ``F.linear`` does, and leaves
+    the other rows within 1e-2 of the float64 reference: on the rule's kernel at each M (GEMV,
+    decode, Gluon FP8, dqmma, cuBLAS and block-128 paths), the decode kernel with separately
+    quantized activations, and the cuBLAS and block-128 paths at every M >= 16."""
+    tri = _triton()
+    n, k = 2048, 4096
+    w, q, code = random_weight(n, k, "trtllm", seed=m)
+    x = torch.randn(m, k, device="cuda", dtype=torch.bfloat16)
+    bad = m // 2
+    x[bad, 100] = float("nan")
+    keep = torch.arange(m, device="cuda") != bad
+    ref = fake_quantize_mxfp8(x[keep]).double() @ dequantize_mxfp8(q, code).double().t()
+    configs = [None]
+    if m <= 16:
+        configs.append(tri.GemmConfig(64, 16, 128, tri.Kernel.DECODE, split_k=2, fuse_quant=False))
+    else:
+        configs += [tri.cublas_config(m, n, k)]
+        if _facts().block_fp8:
+            configs.append(tri.GemmConfig(64, 0, 256, tri.Kernel.BLOCK128, fuse_quant=False))
+    for cfg in configs:
+        out = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
+        tri.triton_linear(x, w, out=out, config=cfg)
+        assert out[bad].isnan().all(), cfg
+        assert not out[keep].isnan().any() and rel_err(out[keep], ref) <= 1e-2, cfg
+
+
 @pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("name,n,k", MODEL_SHAPES[::3], ids=[s[0] for s in MODEL_SHAPES[::3]])
 def test_tile_kernel_at_large_m(name, n, k, layout):

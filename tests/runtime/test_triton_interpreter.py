@@ -355,6 +355,58 @@ def test_activation_quantization_bit_exact():
 
 
 @interp
+def test_activation_quantization_keeps_nan():
+    """A NaN activation quantizes to an e4m3 NaN (torch's float8 cast of NaN, sign kept), as the
+    GPU's conversion gives; it sets no block scale, so the rest of its block is quantized as if it
+    were 0."""
+    from mxfp8_convert.runtime.hopper.launch import quantize_activations
+
+    x = torch.randn(3, 256)
+    x[1, 40], x[2, 200] = float("nan"), -float("nan")
+    got = quantize_activations(x, codes=True)
+    q, code = quantize_mxfp8(torch.nan_to_num(x, nan=0.0))
+    nan = torch.tensor([float("nan"), -float("nan")])
+    nan_bytes = nan.to(torch.float8_e4m3fn).view(torch.uint8)
+    gq = got["q"].view(torch.uint8)
+    assert gq[1, 40] == nan_bytes[0] and gq[2, 200] == nan_bytes[1]
+    finite = ~x.isnan()
+    assert torch.equal(gq[finite], q.view(torch.uint8)[finite])
+    assert torch.equal(got["code"], code)
+    assert got["deq"].isnan().sum() == 2 and got["deq"][1, 40].isnan()
+
+
+@interp
+@pytest.mark.parametrize("kind,fuse", [
+    ("tile", True), ("tile", False), ("decode", True), ("gemv", True), ("gemv", False),
+    ("cublas", True), ("cublas", False), ("block128", True), ("block128", False)])
+def test_nan_activation_makes_its_row_nan(kind, fuse):
+    """A NaN activation makes its whole output row NaN on every path, as on the CPU reference
+    (and bf16 ``F.linear``), and leaves the other rows as they were: no path hides it as +-448.
+    (The decode kernel fed separately quantized activations reads them as float8, which the
+    interpreter converts with NaN as 480: that case is the GPU test's.)"""
+    from mxfp8_convert.runtime.hopper.launch import triton_linear
+    from mxfp8_convert.runtime.hopper.rules import cublas_config
+
+    m, n, k = 3, 128, 512
+    w, q, code, x = _case("trtllm", m, n, k, seed=5)
+    x[1, 40] = float("nan")
+    configs = {
+        "tile": GemmConfig(64, 16, 128, split_k=2, fuse_quant=fuse),
+        "decode": GemmConfig(64, 16, 128, Kernel.DECODE, split_k=2, fuse_quant=fuse),
+        "gemv": GemmConfig(32, 4, 256, Kernel.GEMV, split_k=2, fuse_quant=fuse),
+        "cublas": cublas_config(m, n, k, chunk_n=0 if fuse else 64),
+        "block128": GemmConfig(64, 0, 256, Kernel.BLOCK128, fuse_quant=False,
+                               chunk_n=0 if fuse else 64),
+    }
+    ref = reference_linear(x, q, code)
+    assert ref[1].isnan().all() and not ref[[0, 2]].isnan().any()
+    out = torch.zeros(m, n, dtype=torch.bfloat16)
+    triton_linear(x, w, out=out, config=configs[kind])
+    assert out[1].isnan().all()
+    _close(out[[0, 2]], ref[[0, 2]])
+
+
+@interp
 @pytest.mark.parametrize("has_bias,chunk", [(False, 4), (True, 2), (True, 8)])
 def test_reduction_maps_physical_rows_of_a_trtllm_weight(has_bias, chunk):
     """The split-K reduction kernel fed partials in the trtllm weight's physical row order (``p32``,

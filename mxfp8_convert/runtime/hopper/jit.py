@@ -55,7 +55,8 @@ def _pow2_f32(e_field):
 
 @triton.jit
 def _round_e4m3(y):
-    """Round fp32 ``y`` to the nearest e4m3 value (ties to even), saturating at +-448.
+    """Round fp32 ``y`` to the nearest e4m3 value (ties to even), saturating at +-448; NaN stays
+    NaN. The same values as the GPU's ``cvt.rn.satfinite.e4m3x2.f32``.
 
     Adding ``1.5 * 2^(e+20)`` (e = binade of |y|, at least -6 for subnormals) leaves exactly the
     e4m3 ulp ``2^(e-3)`` as the fp32 ulp of the sum, so fp32's RNE add does the rounding.
@@ -65,17 +66,19 @@ def _round_e4m3(y):
     e = tl.maximum(((a.to(tl.int32, bitcast=True) >> 23) & 0xFF) - 127, -6)
     magic = (((147 + e) << 23) | 0x400000).to(tl.float32, bitcast=True)
     r = (a + magic) - magic
-    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)
+    return tl.where(y == y, (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True), y)
 
 
 @triton.jit
 def _e4m3_byte(r):
-    """uint8 e4m3fn encoding of an fp32 value that is exactly representable in e4m3."""
+    """uint8 e4m3fn encoding of an fp32 value that is exactly representable in e4m3, or NaN
+    (0x7F, sign kept)."""
     bits = r.to(tl.int32, bitcast=True)
     ex = (bits >> 23) & 0xFF
     mag = tl.where(
         ex >= 121, ((ex - 120) << 3) | ((bits >> 20) & 0x7), (tl.abs(r) * 512.0).to(tl.int32)
     )
+    mag = tl.where(r == r, mag, 0x7F)
     return (mag | ((bits >> 24) & 0x80)).to(tl.uint8)
 
 
