@@ -388,9 +388,8 @@ def test_e4m3_conversion_where_the_gpu_has_it(monkeypatch, capability, interpret
 
 
 def test_block128_rule():
-    """The block-128 path from ``block128_min_m`` on large weights and from ``block128_wide_m`` on
-    weights of ``block128_min_n`` rows; the cuBLAS path elsewhere, without the recipe, with K % 128
-    or N % 16."""
+    """The block-128 path from ``block128_min_m`` tokens on weights of ``block128_min_n`` rows;
+    the cuBLAS path below either, without the recipe, with K % 128 or N % 16."""
     import dataclasses
 
     t = TUNED
@@ -399,19 +398,17 @@ def test_block128_rule():
     def kind(m, n, k, f=facts):
         return choose_config(m, n, k, f).kind
 
-    big_k = -(-t.block128_min_weight // 4096 // 128) * 128  # N = 4096: just large enough
-    assert kind(t.block128_min_m, 4096, big_k) is Kernel.BLOCK128
-    assert kind(t.block128_min_m, 4096, big_k - 128) is Kernel.CUBLAS
-    assert kind(t.block128_min_m - 1, 4096, big_k) is not Kernel.BLOCK128
-    assert kind(t.block128_wide_m, t.block128_min_n, 4096) is Kernel.BLOCK128
-    assert kind(t.block128_wide_m, t.block128_min_n - 16, 4096) is Kernel.CUBLAS
-    assert kind(t.block128_wide_m - 1, t.block128_min_n, 4096) is Kernel.CUBLAS
-    assert kind(t.block128_wide_m, 4096, 4160) is Kernel.CUBLAS  # K % 128 == 64
-    assert kind(t.block128_wide_m, 4104, 4096) is Kernel.CUBLAS  # N % 16 == 8
-    assert kind(t.block128_wide_m, 4096, 4096, FACTS["h200"]) is Kernel.CUBLAS  # no recipe
+    m, n = t.block128_min_m, t.block128_min_n
+    assert kind(m, n, 4096) is Kernel.BLOCK128
+    assert kind(8 * m, 18432, 7168) is Kernel.BLOCK128
+    assert kind(m, n - 16, 4096) is Kernel.CUBLAS
+    assert kind(m - 1, n, 4096) is not Kernel.BLOCK128
+    assert kind(m, 4096, 4160) is Kernel.CUBLAS  # K % 128 == 64
+    assert kind(m, 4104, 4096) is Kernel.CUBLAS  # N % 16 == 8
+    assert kind(m, 4096, 4096, FACTS["h200"]) is Kernel.CUBLAS  # no recipe
     # chunks of the cuBLAS path's workspace bytes (multiples of 128 rows): FP8, twice the rows
     cfg = choose_config(t.block128_min_m, 32768, 16384, facts)
     want = 2 * t.dequant_workspace // 16384 // 128 * 128
     assert cfg.kind is Kernel.BLOCK128 and cfg.chunk_n == want < 32768
-    assert choose_config(t.block128_wide_m, 4096, 4096, facts).chunk_n == 4096
+    assert choose_config(t.block128_min_m, 4096, 4096, facts).chunk_n == 4096
     assert choose_config(t.block128_min_m, 18432, 7168, facts).chunk_n == 18432  # DeepSeek MLP

@@ -694,7 +694,9 @@ def test_nan_activation_makes_its_row_nan(m):
         out = torch.zeros(m, n, device="cuda", dtype=torch.bfloat16)
         tri.triton_linear(x, w, out=out, config=cfg)
         assert out[bad].isnan().all(), cfg
-        assert not out[keep].isnan().any() and rel_err(out[keep], ref) <= 1e-2, cfg
+        assert not out[keep].isnan().any(), cfg
+        if m > 1:
+            assert rel_err(out[keep], ref) <= 1e-2, cfg
 
 
 @pytest.mark.parametrize("layout", LAYOUTS)
@@ -823,5 +825,5 @@ def test_block_fp8_on_this_gpu():
     cuda = tuple(int(v) for v in torch.version.cuda.split(".")[:2])
     want = torch.cuda.get_device_capability() == (9, 0) and cuda >= (12, 9)
     assert probe.block_fp8(dev) is want
-    kind = choose_config(TUNED.block128_wide_m, 4096, 4096, probe.device_facts(dev)).kind
+    kind = choose_config(TUNED.block128_min_m, 4096, 4096, probe.device_facts(dev)).kind
     assert (kind is tri.Kernel.BLOCK128) is want

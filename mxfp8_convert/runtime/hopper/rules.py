@@ -7,7 +7,7 @@ in order (:data:`RULES`) and falls back to the tile kernel:
 
 1. :func:`serving_rule`: Hopper with Gluon, M = 17 .. ``dqmma_max_m``, K % 128 == 0 (the
    dequantizing wgmma kernel, or the FP8 wgmma kernel at M <= ``serve_wgmma_max_m``).
-2. :func:`block128_wins` (prefill on large weights, where cuBLAS has the 1x128 FP8 recipe):
+2. :func:`block128_wins` (prefill, where cuBLAS has the 1x128 FP8 recipe):
    :func:`block128_config`; else M >= ``cublas_min_m``: :func:`cublas_config`.
 3. :func:`wgmma_rule`: Hopper with Gluon, M <= 16, K % 128 == 0.
 4. :func:`gemv_rule`: M <= ``gemv_max_m``.
@@ -73,18 +73,15 @@ class Tuning:
     # its bf16 weight workspace, elements (128 MiB); 8-32 M elements (kept in L2) were no faster
     dequant_workspace: int = 64 * 1024 * 1024
     # block-128 path (FP8 cuBLAS on operands regrouped to one scale per 128 of K), where cuBLAS
-    # runs that recipe (``DeviceFacts.block_fp8``) and K % 128 == 0: from block128_min_m tokens on
-    # weights of >= block128_min_weight elements, from block128_wide_m on >= block128_min_n rows.
-    # Its FP8 GEMM ran 1.23-1.24x the bf16 one (median) and its two regrouping passes cost as much
-    # as the cuBLAS path's passes save, so it wins where the GEMM dominates (prefill_fp8.py
-    # --block128, H100, one chunk: M = 2048 ahead on all 6 weights of >= 37 M elements,
-    # x0.81-0.90 vs x0.75-0.86, on 1 of the 13 below (Qwen gate_up, 25 M: x0.87 vs x0.83);
-    # M = 8192 ahead on all 15 weights of N >= 2048, x0.81-1.16 vs x0.79-0.95, behind on the 4 of
-    # N <= 1536, x0.37-0.71 vs x0.51-0.73)
+    # runs that recipe (``DeviceFacts.block_fp8``), K % 128 == 0 and N % 16 == 0: from
+    # block128_min_m tokens on weights of >= block128_min_n rows. With the regrouping passes
+    # rounding by the GPU's conversion (prefill_fp8.py --block128, H100, one chunk) it beat the
+    # cuBLAS path on 18 of 19 model weights at M = 2048 (x0.66-1.01 vs x0.58-0.86) and at
+    # M = 8192 (x0.71-1.12 vs x0.64-0.96); behind on DeepSeek q_a at M = 2048 (x0.57 vs 0.68, its
+    # FP8 GEMM alone x0.78) and on kv_a (N = 576) at M = 8192 (x0.47 vs 0.50), level on kv_a at
+    # M = 2048 (x0.66 vs 0.63): N >= 1024 keeps kv_a on the cuBLAS path.
     block128_min_m: int = 2048
-    block128_min_weight: int = 32_000_000
-    block128_wide_m: int = 8192
-    block128_min_n: int = 2048
+    block128_min_n: int = 1024
     # wgmma kernel (M <= 16, Hopper). Below this many weight elements: fewer programs (~2 per SM
     # at M <= 8, ~1 at M = 9..16) and the last program sums the partials; at M = 1 without PDL
     # the GEMV kernel is faster there.
@@ -468,13 +465,11 @@ def block128_config(m: int, n: int, k: int, *, chunk_n: int = 0) -> GemmConfig:
 
 def block128_wins(m: int, n: int, k: int, facts: DeviceFacts) -> bool:
     """The block-128 path serves (M, N, K) (:data:`TUNED`, ``block128_*``): cuBLAS has the
-    recipe, K % 128 == 0, N % 16 == 0 (cuBLAS's FP8 operands) and M >= ``block128_min_m`` on a
-    weight of >= ``block128_min_weight`` elements, or M >= ``block128_wide_m`` and N >=
+    recipe, K % 128 == 0, N % 16 == 0 (cuBLAS's FP8 operands), M >= ``block128_min_m`` and N >=
     ``block128_min_n``."""
     t = TUNED
-    if not facts.block_fp8 or k % 128 or n % 16 or m < t.block128_min_m:
-        return False
-    return n * k >= t.block128_min_weight or (m >= t.block128_wide_m and n >= t.block128_min_n)
+    return (facts.block_fp8 and k % 128 == 0 and n % 16 == 0 and m >= t.block128_min_m
+            and n >= t.block128_min_n)
 
 
 def tile_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
