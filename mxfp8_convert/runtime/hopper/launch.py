@@ -11,7 +11,7 @@ workspace of at most ``dequant_workspace`` elements (chunk by chunk; ``rules.TUN
 multiplies with fp32 accumulation (torch's ``allow_bf16_reduced_precision_reduction`` applies as
 to any bf16 matmul); the workspace goes back to torch's caching allocator after the call, the
 checkpoint's bytes remain the only resident copy of the weight. On the block-128 path
-(``rules.block128_wins``: prefill on large weights, where cuBLAS has the 1x128 FP8 recipe) both
+(``rules.block128_wins``: prefill, where cuBLAS has the 1x128 FP8 recipe) both
 operands are regrouped by ``regroup.py`` to one fp32 scale per 128 elements of K (the weight
 chunk by chunk into a transient FP8 workspace of as many bytes) and cuBLAS's FP8 GEMM runs on
 them: twice the bf16 MMA rate, for the regrouping's rounding of the elements under 2^-6 of their
