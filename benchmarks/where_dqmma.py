@@ -233,7 +233,6 @@ def _deep_kernel(depth: int, accs: int = 1):
         a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
         srow_l: gl.constexpr = gl.SliceLayout(1, a_l)
         row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-        col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
         m_tiles = gl.cdiv(M, BM)
         pid_n = gl.program_id(0) // m_tiles
         m0 = (gl.program_id(0) % m_tiles) * BM
@@ -286,10 +285,8 @@ def _deep_kernel(depth: int, accs: int = 1):
             acc = (acc + acc1) + (acc2 + acc3)
         for s in gl.static_range(STAGES):
             mbarrier.invalidate(bars.index(s))
-        rows = p0 + gl.arange(0, BN, layout=row_l)
-        cols = m0 + gl.arange(0, BM, layout=col_l)
-        _epilogue(acc, rows, cols, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
-                  LAYOUT, HAS_BIAS, PARTIAL)
+        _epilogue(acc, gl.arange(0, BN, layout=row_l), p0, m0, b_ptr, out_ptr, ws_ptr, split, M,
+                  N, stride_om, stride_os, LAYOUT, HAS_BIAS, PARTIAL, num_warps)
 
     return kernel
 

@@ -20,7 +20,9 @@ flight). A stage is refilled once the wgmmas that read it have retired.
 
 Rows are processed in *physical* order (TMA loads contiguous row boxes); the epilogue maps each
 physical row to its logical output column (trtllm: the P32 permutation stays within 32-row
-groups; cutlass: the identity). Split-K partials go to an fp32 workspace in physical row order
+groups, so a tile's logical rows are its physical ones reordered in registers; cutlass: the
+identity) and re-lays the tile through shared memory so that each thread stores 16 contiguous
+bytes of one token's output row. Split-K partials go to an fp32 workspace in physical row order
 and ``reduce.py`` sums them (``P32``). Rows of the activation box past M are TMA's zero fill and
 are never stored.
 
@@ -190,7 +192,6 @@ def _dqmma_kernel(
     a_l: gl.constexpr = gl.DotOperandLayout(operand_index=0, parent=acc_l, k_width=2)
     srow_l: gl.constexpr = gl.SliceLayout(1, a_l)
     row_l: gl.constexpr = gl.SliceLayout(1, acc_l)
-    col_l: gl.constexpr = gl.SliceLayout(0, acc_l)
 
     m_tiles = gl.cdiv(M, BM)
     pid_n = gl.program_id(0) // m_tiles  # the M tiles of a weight tile run side by side (L2)
@@ -239,27 +240,44 @@ def _dqmma_kernel(
     for s in gl.static_range(STAGES):
         mbarrier.invalidate(bars.index(s))
 
-    rows = p0 + gl.arange(0, BN, layout=row_l)
-    cols = m0 + gl.arange(0, BM, layout=col_l)
-    _epilogue(acc, rows, cols, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
-              LAYOUT, HAS_BIAS, PARTIAL)
+    _epilogue(acc, gl.arange(0, BN, layout=row_l), p0, m0, b_ptr, out_ptr, ws_ptr, split, M,
+              N, stride_om, stride_os, LAYOUT, HAS_BIAS, PARTIAL, num_warps)
 
 
 @gluon.jit
-def _epilogue(acc, rows, cols, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
-                 LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr):
-    """Store an accumulator of physical weight ``rows`` and token ``cols`` (both kernels): fp32
-    partials in physical row order, or the output's logical columns with the bias."""
-    mask = gl.expand_dims(rows < N, 1) & gl.expand_dims(cols < M, 0)
+def _epilogue(acc, rows, p0, m0, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
+              LAYOUT: gl.constexpr, HAS_BIAS: gl.constexpr, PARTIAL: gl.constexpr,
+              NW: gl.constexpr):
+    """Store the ``[BN, BM]`` accumulator of physical weight rows ``p0 + rows`` (``rows``: the
+    accumulator's row slice) and tokens ``m0 ..`` (both kernels, ``NW`` warps): fp32 partials in
+    physical row order, or the output's logical columns with the bias. The wgmma accumulator
+    gives a thread two tokens of rows 8 apart, which would be scattered 2-byte stores (one output
+    row is one token); trtllm rows are put in logical order in registers (P32 exchanges the
+    4 x 8 halves of a 32-row group's index) and the tile goes through shared memory to a layout
+    of 8 contiguous output elements a thread, so each store writes whole 16-byte pieces."""
+    BN: gl.constexpr = acc.shape[0]
+    BM: gl.constexpr = acc.shape[1]
+    st_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, NW], [0, 1])
     if PARTIAL:  # physical row order (contiguous); reduce.py maps the rows (P32)
-        ws_off = gl.expand_dims(cols.to(gl.int64), 0) * N + gl.expand_dims(rows, 1)
-        gl.store(ws_ptr + split.to(gl.int64) * stride_os + ws_off, acc, mask=mask)
+        v = gl.convert_layout(acc, st_l)
+        dst = ws_ptr + split.to(gl.int64) * stride_os
+        stride = N
     else:
-        lrows = _p32_logical(rows) if LAYOUT == 1 else rows  # trtllm rows are P32-shuffled
         if HAS_BIAS:
+            lrows = _p32_logical(p0 + rows) if LAYOUT == 1 else p0 + rows
             acc += gl.expand_dims(gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32), 1)
-        off = gl.expand_dims(cols.to(gl.int64), 0) * stride_om + gl.expand_dims(lrows, 1)
-        gl.store(out_ptr + off, acc.to(out_ptr.dtype.element_ty), mask=mask)
+        v = acc.to(out_ptr.dtype.element_ty)
+        if LAYOUT == 1:  # physical 32 g + 8 a + b holds logical 32 g + 4 b + a
+            v = gl.reshape(gl.permute(gl.reshape(v, [BN // 32, 4, 8, BM]), (0, 2, 1, 3)),
+                           [BN, BM])
+        v = gl.convert_layout(v, st_l)
+        dst = out_ptr
+        stride = stride_om
+    r = p0 + gl.arange(0, BN, layout=gl.SliceLayout(1, st_l))
+    c = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, st_l))
+    mask = gl.expand_dims(r < N, 1) & gl.expand_dims(c < M, 0)
+    off = gl.expand_dims(c.to(gl.int64), 0) * stride + gl.expand_dims(r, 1)
+    gl.store(dst + off, v, mask=mask)
 
 
 @gluon.jit
@@ -342,10 +360,9 @@ def _ws_part(w_desc, x_desc, w_s, x_s, full, empty, s_ptr, b_ptr, out_ptr, ws_pt
                                STAGES, FAST)
             sw_word, sw_1 = sw_1, sw_new
         acc, a = warpgroup_mma_wait(num_outstanding=0, deps=(acc, a))
-        rows = r0 + gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l))
-        cols = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, acc_l))
-        _epilogue(acc, rows, cols, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om, stride_os,
-                     LAYOUT, HAS_BIAS, PARTIAL)
+        _epilogue(acc, gl.arange(0, 64, layout=gl.SliceLayout(1, acc_l)), r0, m0, b_ptr,
+                  out_ptr, ws_ptr, split, M, N, stride_om, stride_os, LAYOUT, HAS_BIAS, PARTIAL,
+                  4)
 
 
 @gluon.jit
