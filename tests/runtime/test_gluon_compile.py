@@ -537,22 +537,20 @@ def test_specialized_dqmma_has_no_cta_barrier_in_its_k_loop(block_n, bm, stages,
     assert shared <= 227 * 1024
 
 
-@pytest.mark.parametrize("block_n,bm,stages,layout,partial,specialized", [
-    (64, 256, 3, "trtllm", False, False), (64, 256, 3, "trtllm", True, False),
-    (64, 128, 3, "cutlass", False, False), (128, 64, 3, "trtllm", True, False),
-    (128, 256, 2, "trtllm", False, True), (128, 128, 4, "cutlass", True, True)])
-def test_dqmma_epilogue_stores_whole_16_byte_pieces(block_n, bm, stages, layout, partial,
-                                                    specialized):
-    """The dqmma epilogue for sm_90a: the tile (bf16 output or fp32 split-K partials) leaves in
-    16-byte stores only (``STG.E.128``: a thread's 8 or 4 contiguous elements of one token's
-    row), exactly the tile's bytes over 16 per thread (the specialized kernel: per consumer),
-    where the wgmma accumulator's own layout would give one 2- or 4-byte store per element; the
-    exchange through shared memory keeps the kernel within the 227 KB a block may have."""
-    sass, shared = _dqmma_sass(block_n, bm, stages, layout, partial, specialized=specialized)
+@pytest.mark.parametrize("block_n,bm,stages,layout,specialized", [
+    (64, 256, 3, "trtllm", False), (64, 128, 3, "cutlass", False), (128, 64, 3, "trtllm", False),
+    (128, 256, 2, "trtllm", True), (128, 128, 4, "cutlass", True)])
+def test_dqmma_epilogue_stores_whole_16_byte_pieces(block_n, bm, stages, layout, specialized):
+    """The dqmma epilogue's bf16 output for sm_90a leaves in 16-byte stores only (``STG.E.128``:
+    a thread's 8 contiguous elements of one token's row), exactly the tile's bytes over 16 per
+    thread (the specialized kernel: per consumer), where the wgmma accumulator's own layout
+    would give one 2-byte store per element; the exchange through shared memory keeps the
+    kernel within the 227 KB a block may have."""
+    sass, shared = _dqmma_sass(block_n, bm, stages, layout, False, specialized=specialized)
     stores = re.findall(r"\bSTG\.E[.\w]*", sass)
     threads = 128 if specialized else 2 * block_n  # each consumer's code stores its 64 rows
     assert set(stores) == {"STG.E.128"}, sorted(set(stores))
-    assert len(stores) * threads * 16 == block_n * bm * (4 if partial else 2)
+    assert len(stores) * threads * 16 == block_n * bm * 2
     assert shared <= 227 * 1024
 
 

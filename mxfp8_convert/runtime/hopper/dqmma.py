@@ -251,18 +251,21 @@ def _epilogue(acc, rows, p0, m0, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om,
     """Store the ``[BN, BM]`` accumulator of physical weight rows ``p0 + rows`` (``rows``: the
     accumulator's row slice) and tokens ``m0 ..`` (both kernels, ``NW`` warps): fp32 partials in
     physical row order, or the output's logical columns with the bias. The wgmma accumulator
-    gives a thread two tokens of rows 8 apart, which would be scattered 2-byte stores (one output
-    row is one token); trtllm rows are put in logical order in registers (P32 exchanges the
-    4 x 8 halves of a 32-row group's index) and the tile goes through shared memory to a layout
-    of 8 contiguous output elements a thread, so each store writes whole 16-byte pieces."""
-    BN: gl.constexpr = acc.shape[0]
-    BM: gl.constexpr = acc.shape[1]
-    st_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, NW], [0, 1])
+    gives a thread two tokens of rows 8 apart: eight rows of a token are 16 bytes of bf16 output,
+    half a 32-byte sector, so for the output trtllm rows are put in logical order in registers
+    (P32 exchanges the 4 x 8 halves of a 32-row group's index) and the tile goes through shared
+    memory to a layout of 8 contiguous elements a thread: whole 16-byte stores, whole sectors.
+    Eight fp32 partials already fill a sector; they are stored from the accumulator."""
     if PARTIAL:  # physical row order (contiguous); reduce.py maps the rows (P32)
-        v = gl.convert_layout(acc, st_l)
-        dst = ws_ptr + split.to(gl.int64) * stride_os
-        stride = N
+        r = p0 + rows
+        c = m0 + gl.arange(0, acc.shape[1], layout=gl.SliceLayout(0, acc.type.layout))
+        mask = gl.expand_dims(r < N, 1) & gl.expand_dims(c < M, 0)
+        off = gl.expand_dims(c.to(gl.int64), 0) * N + gl.expand_dims(r, 1)
+        gl.store(ws_ptr + split.to(gl.int64) * stride_os + off, acc, mask=mask)
     else:
+        BN: gl.constexpr = acc.shape[0]
+        BM: gl.constexpr = acc.shape[1]
+        st_l: gl.constexpr = gl.BlockedLayout([8, 1], [8, 4], [1, NW], [0, 1])
         if HAS_BIAS:
             lrows = _p32_logical(p0 + rows) if LAYOUT == 1 else p0 + rows
             acc += gl.expand_dims(gl.load(b_ptr + gl.minimum(lrows, N - 1)).to(gl.float32), 1)
@@ -271,13 +274,11 @@ def _epilogue(acc, rows, p0, m0, b_ptr, out_ptr, ws_ptr, split, M, N, stride_om,
             v = gl.reshape(gl.permute(gl.reshape(v, [BN // 32, 4, 8, BM]), (0, 2, 1, 3)),
                            [BN, BM])
         v = gl.convert_layout(v, st_l)
-        dst = out_ptr
-        stride = stride_om
-    r = p0 + gl.arange(0, BN, layout=gl.SliceLayout(1, st_l))
-    c = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, st_l))
-    mask = gl.expand_dims(r < N, 1) & gl.expand_dims(c < M, 0)
-    off = gl.expand_dims(c.to(gl.int64), 0) * stride + gl.expand_dims(r, 1)
-    gl.store(dst + off, v, mask=mask)
+        r = p0 + gl.arange(0, BN, layout=gl.SliceLayout(1, st_l))
+        c = m0 + gl.arange(0, BM, layout=gl.SliceLayout(0, st_l))
+        mask = gl.expand_dims(r < N, 1) & gl.expand_dims(c < M, 0)
+        off = gl.expand_dims(c.to(gl.int64), 0) * stride_om + gl.expand_dims(r, 1)
+        gl.store(out_ptr + off, v, mask=mask)
 
 
 @gluon.jit
