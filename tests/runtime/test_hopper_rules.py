@@ -201,7 +201,7 @@ SERVING = [
     (256, 576, 7168, "dqmma", 64, 128, 7),  # 9 x 2 tiles: 132 // 18 = 7 (56 K-tiles: 8 each)
     (257, 1024, 4096, "dqmma", 64, 128, 2),  # N <= 1024: 128 tokens, 16 x 3 tiles, 132 // 48
     (257, 1536, 7168, "cublas", 64, 0, 1),  # 1024 < N < 4096 above M = 256
-    (512, 7168, 2048, "dqmma", 64, 256, 1),  # 112 x 2 = 224 tiles (K < 4096: one chain)
+    (512, 4096, 14336, "dqmma", 64, 256, 1),  # 64 x 2 = 128 tiles: 128-row ones, 64 < 66
     (512, 4096, 2560, "dqmma", 64, 256, 1),  # 64 x 2 = 128 tiles >= 66
     (512, 1024, 4096, "dqmma", 64, 128, 2),  # 16 x 4 tiles < 66: 132 // 64 = 2
     (512, 576, 7168, "dqmma", 64, 128, 3),  # 9 x 4 tiles: 132 // 36 = 3
@@ -244,7 +244,7 @@ def test_dqmma_launch_follows_the_pdl_mode(device, pdl, prefetch, m, n, k):
 
 @pytest.mark.parametrize("m,n,k,specialized", [
     (32, 7168, 16384, False), (64, 14336, 4096, False), (128, 7168, 16384, False),
-    (512, 18432, 7168, True), (128, 4864, 6144, False)])
+    (512, 14336, 4096, True), (128, 4864, 6144, False)])
 def test_dqmma_on_large_weights_runs_without_pdl(m, n, k, specialized):
     """From 32 M weight elements (DeepSeek o_proj 117 M, Llama gate_up 59 M, 29.9 M is below)
     the dqmma path runs without PDL, where it was slower (TUNED.dqmma_pdl_max_weight)."""
@@ -253,13 +253,18 @@ def test_dqmma_on_large_weights_runs_without_pdl(m, n, k, specialized):
     assert (cfg.pdl, cfg.prefetch) == ((n * k < 32_000_000),) * 2
 
 
-# The warp-specialized dqmma (TUNED.ws_*): 128-row programs of 256 tokens (ring of 2) at
-# M = 257..512 where ceil(N / 128) * ceil(M / 256) >= 0.75 * 132 = 99 programs and K >= 4096;
-# split-K as dqmma's.
+# The warp-specialized dqmma (TUNED.ws_min_m): 128-row programs of 256 tokens (ring of 2) at
+# M = 129..512 where its P = ceil(N / 128) * ceil(M / 256) programs are at least 0.5 * 132 = 66
+# (unsplit) and fill their waves (P / (ceil(P / 132) * 132)) at least as well as the 2P 64-row
+# programs of the one-chain kernel fill theirs.
 SPECIALIZED = [
     # (M, N, K, block_m, split_k, stages)
-    (512, 7168, 16384, 256, 1, 2),  # 56 x 2 = 112 >= 99 programs: unsplit
-    (300, 14336, 4096, 256, 1, 2),  # 112 x 2 = 224
+    (512, 7168, 16384, 256, 1, 2),  # 112 programs: 0.85 against 224: 0.85
+    (300, 14336, 4096, 256, 1, 2),  # 224: 0.85 against 448: 0.85
+    (512, 7168, 2048, 256, 1, 2),  # K plays no part
+    (512, 24576, 1536, 256, 1, 2),  # 384: 0.97 against 768: 0.97
+    (256, 32768, 512, 256, 1, 2),  # 256: 0.97 against 512: 0.97
+    (129, 9728, 2560, 256, 1, 2),  # 76: 0.58 against 152: 0.58
 ]
 
 
@@ -329,9 +334,12 @@ def test_serving_rule_takes_64_token_programs_past_96_tokens():
 @pytest.mark.parametrize("m,n,k", [
     (128, 4096, 14336),  # K < 16384
     (64, 7168, 16384),  # M <= 64
-    (256, 7168, 16384),  # M = 256: not above dqmma_wide_m
-    (512, 4096, 4096),  # 32 x 2 = 64 programs < 99
-    (512, 9728, 2560),  # K < 4096
+    (256, 7168, 16384),  # 56 programs < 66
+    (512, 4096, 4096),  # 32 x 2 = 64 programs < 66
+    (512, 9728, 2560),  # 152 programs: 0.58 against 304: 0.77
+    (512, 18432, 7168),  # 288: 0.73 against 576: 0.87
+    (256, 24576, 1536),  # 192: 0.73 against 384: 0.97
+    (128, 32768, 512),  # M <= 128
 ])
 def test_serving_rule_keeps_the_one_chain_kernel(m, n, k):
     cfg = choose_config(m, n, k, FACTS["h200"])

@@ -168,11 +168,10 @@ class Tuning:
     serve_wgmma_per_sm: int = 1
     serve_dqmma_min_k: int = 12288
     # the warp-specialized dqmma (128-row programs of 256 tokens, each weight element
-    # dequantized once per 256 tokens), where the sweep of 2026-12-01 16:45 had it ahead: M > 256
-    # where its unsplit programs fill ws_wide_min_share of the SMs and K >= ws_wide_min_k (Llama
-    # gate_up, DeepSeek o_proj, MLP down: x0.84 vs x0.73-0.74; MLP gate_up x0.73 vs 0.75).
-    # Elsewhere the one-warpgroup kernel's 64-row programs (up to three a multiprocessor) were
-    # faster
+    # dequantized once per 256 tokens, the activations read once per 128 weight rows, not 64)
+    # above M = ws_min_m where its programs run unsplit (half the SMs or more) and fill their
+    # waves at least as well as the one-chain kernel's 64-row programs (one an SM) fill theirs:
+    # WS_MEASURED
     # M = 65..128: one-chain programs of 128 weight rows and 128 tokens in a ring of 2 (96 KB:
     # two an SM), K split to two waves of them, where K >= dqmma_pair_min_k, and up to
     # dqmma_pair_max_m where the weight's tiles do not fit tall_config's one wave
@@ -203,7 +202,7 @@ class Tuning:
     # vs x0.78, expert gate_up x0.71 vs x0.89, DeepSeek o_proj x0.53-1.10 vs x1.19)
     dqmma_occupancy_min_n: int = 2560
     dqmma_occupancy_per_sm: int = 4
-    ws_wide_min_k: int = 4096
+    ws_min_m: int = 128
     ws_wide_min_share: float = 0.75
 
 
@@ -576,10 +575,17 @@ def occupancy_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig |
 
 
 def specialized_wins(m: int, n: int, k: int, facts: DeviceFacts) -> bool:
-    """Whether the serving rule takes the warp-specialized dqmma (:data:`TUNED`, ``ws_*``)."""
+    """Whether the serving rule takes the warp-specialized dqmma at M = ``ws_min_m`` + 1 ..
+    ``dqmma_max_m``: its 128-row programs of 256 tokens run unsplit
+    (``dqmma_wide_unsplit_share`` of the SMs or more) and their waves are at least as full as
+    those of :func:`dqmma_config`'s one-chain programs (one an SM) (:data:`TUNED`)."""
     t = TUNED
-    return (t.dqmma_wide_m < m <= t.dqmma_max_m and k >= t.ws_wide_min_k
-            and cdiv(n, 128) * cdiv(m, 256) >= t.ws_wide_min_share * facts.sms)
+    if not t.ws_min_m < m <= t.dqmma_max_m:
+        return False
+    ws = cdiv(n, 128) * cdiv(m, 256)
+    one = cdiv(n, 64) * cdiv(m, 128 if n <= t.dqmma_narrow_n else 256)
+    return (ws >= t.dqmma_wide_unsplit_share * facts.sms
+            and _wave_eff(ws, facts.sms) >= _wave_eff(one, facts.sms) - 1e-9)
 
 
 def dqmma_launch(cfg: GemmConfig, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
