@@ -345,6 +345,33 @@ def occupancy_configs(m: int, n: int, k: int, facts, specialized: bool = False
     return out
 
 
+def ws_wave_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
+    """M = 129..512: the warp-specialized kernel's 128-row programs of 256 tokens (ring of 2)
+    unsplit and with K split to one wave of them (``floor(132 / tiles)``, at least 4 K-tiles a
+    split), its 128-row programs of 128 tokens (ring of 4) split likewise, and the one-chain
+    kernel's default (``dqmma_config``: 64-row programs, one an SM), with the rule's launch
+    options: which programs fill the SMs best where the activations are re-read per row tile."""
+    from mxfp8_convert.runtime.hopper.config import no_empty_splits
+    from mxfp8_convert.runtime.hopper.rules import dqmma_config, dqmma_launch
+
+    out, seen = [], set()
+    k_tiles = k // 128
+    for bm, st, one_wave in ((256, 2, False), (256, 2, True), (128, 4, True)):
+        tiles = cdiv(n, 128) * cdiv(m, bm)
+        split = max(1, min(facts.sms // tiles, k_tiles // 4)) if one_wave else 1
+        base = dqmma_config(m, n, k, facts, block_n=128, block_m=bm, stages=st, specialized=True)
+        out.append(dqmma_launch(dataclasses.replace(
+            base, split_k=no_empty_splits(k_tiles, split)), n, k, facts))
+    out.append(dqmma_launch(dqmma_config(m, n, k, facts), n, k, facts))
+    uniq = []
+    for c in out:
+        key = tuple(sorted(c.to_dict().items()))
+        if key not in seen:
+            seen.add(key)
+            uniq.append(c)
+    return uniq
+
+
 def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float,
                  configs=tokens_configs, save: str = "sweep_tokens.json") -> None:
     """M = 65..512 (trtllm): bf16, the rule's config (and without its PDL chain; up to M = 128
@@ -420,6 +447,9 @@ def main() -> int:
                     help="the rule against the one-chain kernel's 128-token programs")
     ap.add_argument("--occupancy", action="store_true",
                     help="the rule against 64-row programs at 1..4 an SM (rings of 2, 3)")
+    ap.add_argument("--ws-wave", action="store_true",
+                    help="the rule against the specialized kernel's 128-row programs, unsplit "
+                         "and split to one wave, and the one-chain default")
     ap.add_argument("--specialized", action="store_true",
                     help="with --occupancy: the warp-specialized kernel's programs too")
     a = ap.parse_args()
@@ -435,6 +465,9 @@ def main() -> int:
         return 0
     if a.tokens:
         tokens_sweep(ms, shapes, Path(a.out), t0, a.budget)
+        return 0
+    if a.ws_wave:
+        tokens_sweep(ms, shapes, Path(a.out), t0, a.budget, ws_wave_configs, "sweep_ws_wave.json")
         return 0
     if a.occupancy:
         tokens_sweep(ms, shapes, Path(a.out), t0, a.budget,

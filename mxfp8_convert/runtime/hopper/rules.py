@@ -170,8 +170,17 @@ class Tuning:
     # the warp-specialized dqmma (128-row programs of 256 tokens, each weight element
     # dequantized once per 256 tokens, the activations read once per 128 weight rows, not 64)
     # above M = ws_min_m where its programs run unsplit (half the SMs or more) and fill their
-    # waves at least as well as the one-chain kernel's 64-row programs (one an SM) fill theirs:
-    # WS_MEASURED
+    # waves no more than ws_wave_margin worse than the one-chain kernel's 64-row programs (one an
+    # SM) fill theirs (the candidates of sweep_dqmma.py --ws-wave, H100, 2026-12-07, trtllm, both
+    # kernels storing 16-byte pieces): ahead where the fill is alike, as the activations are
+    # read once per 128 weight rows (M = 512 DeepSeek q_b x0.91 vs x0.76, kv_b x0.80 vs x0.65,
+    # expert down x0.82 vs x0.74; M = 256 kv_b x0.90 vs x0.76, Qwen gate_up x0.85 vs x0.70,
+    # Llama gate_up x0.92 vs x0.88); behind where its waves were 0.18 or more emptier (M = 256
+    # DeepSeek MLP gate_up x0.68 vs x0.80, q_b x0.83 vs x0.89; M = 512 Qwen gate_up x0.65 vs
+    # x0.71); split K to one wave of them, or 128-token programs, lost on every weight that the
+    # one-chain kernel serves (Qwen q_proj M = 512 x0.47 vs x0.81); the earlier sweep
+    # (2026-12-01 16:45) had it ahead at the same fill (M = 512 Llama gate_up, DeepSeek o_proj,
+    # MLP down x0.84 vs x0.73-0.74) and even at 0.15 emptier (MLP gate_up x0.73 vs x0.75)
     # M = 65..128: one-chain programs of 128 weight rows and 128 tokens in a ring of 2 (96 KB:
     # two an SM), K split to two waves of them, where K >= dqmma_pair_min_k, and up to
     # dqmma_pair_max_m where the weight's tiles do not fit tall_config's one wave
@@ -203,6 +212,7 @@ class Tuning:
     dqmma_occupancy_min_n: int = 2560
     dqmma_occupancy_per_sm: int = 4
     ws_min_m: int = 128
+    ws_wave_margin: float = 0.15
     ws_wide_min_share: float = 0.75
 
 
@@ -577,15 +587,16 @@ def occupancy_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig |
 def specialized_wins(m: int, n: int, k: int, facts: DeviceFacts) -> bool:
     """Whether the serving rule takes the warp-specialized dqmma at M = ``ws_min_m`` + 1 ..
     ``dqmma_max_m``: its 128-row programs of 256 tokens run unsplit
-    (``dqmma_wide_unsplit_share`` of the SMs or more) and their waves are at least as full as
-    those of :func:`dqmma_config`'s one-chain programs (one an SM) (:data:`TUNED`)."""
+    (``dqmma_wide_unsplit_share`` of the SMs or more) and their waves are no more than
+    ``ws_wave_margin`` emptier than those of :func:`dqmma_config`'s one-chain programs (one an
+    SM) (:data:`TUNED`)."""
     t = TUNED
     if not t.ws_min_m < m <= t.dqmma_max_m:
         return False
     ws = cdiv(n, 128) * cdiv(m, 256)
     one = cdiv(n, 64) * cdiv(m, 128 if n <= t.dqmma_narrow_n else 256)
     return (ws >= t.dqmma_wide_unsplit_share * facts.sms
-            and _wave_eff(ws, facts.sms) >= _wave_eff(one, facts.sms) - 1e-9)
+            and _wave_eff(ws, facts.sms) >= _wave_eff(one, facts.sms) - t.ws_wave_margin)
 
 
 def dqmma_launch(cfg: GemmConfig, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
