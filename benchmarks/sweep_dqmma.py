@@ -84,8 +84,13 @@ def candidates(m: int, n: int, k: int, facts) -> list[GemmConfig]:
                                         specialized=True))
     if m >= 256:  # the cuBLAS path (the weight dequantized chunk by chunk)
         out.append(cublas_config(m, n, k))
+    return distinct(out)
+
+
+def distinct(configs: list[GemmConfig]) -> list[GemmConfig]:
+    """``configs`` in order without repeats."""
     seen, uniq = set(), []
-    for c in out:
+    for c in configs:
         key = tuple(sorted(c.to_dict().items()))
         if key not in seen:
             seen.add(key)
@@ -354,7 +359,7 @@ def ws_wave_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
     from mxfp8_convert.runtime.hopper.config import no_empty_splits
     from mxfp8_convert.runtime.hopper.rules import dqmma_config, dqmma_launch
 
-    out, seen = [], set()
+    out = []
     k_tiles = k // 128
     for bm, st, one_wave in ((256, 2, False), (256, 2, True), (128, 4, True)):
         tiles = cdiv(n, 128) * cdiv(m, bm)
@@ -363,13 +368,7 @@ def ws_wave_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
         out.append(dqmma_launch(dataclasses.replace(
             base, split_k=no_empty_splits(k_tiles, split)), n, k, facts))
     out.append(dqmma_launch(dqmma_config(m, n, k, facts), n, k, facts))
-    uniq = []
-    for c in out:
-        key = tuple(sorted(c.to_dict().items()))
-        if key not in seen:
-            seen.add(key)
-            uniq.append(c)
-    return uniq
+    return distinct(out)
 
 
 def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float,
