@@ -352,23 +352,17 @@ def occupancy_configs(m: int, n: int, k: int, facts, specialized: bool = False
 
 def ws_wave_configs(m: int, n: int, k: int, facts) -> list[GemmConfig]:
     """M = 129..512: the warp-specialized kernel's 128-row programs of 256 tokens (ring of 2)
-    unsplit and with K split to one wave of them (``floor(132 / tiles)``, at least 4 K-tiles a
-    split), its 128-row programs of 128 tokens (ring of 4) split likewise, and the one-chain
-    kernel's default (``dqmma_config``: 64-row programs, one an SM), with the rule's launch
-    options: which programs fill the SMs best where the activations are re-read per row tile."""
-    from mxfp8_convert.runtime.hopper.config import no_empty_splits
+    unsplit and with ``dqmma_config``'s split (K to one wave of them where they are fewer than
+    half the SMs), its 128-row programs of 128 tokens (ring of 4) split likewise, and the
+    one-chain kernel's default (64-row programs, one an SM), with the rule's launch options:
+    which programs fill the SMs best where the activations are re-read per row tile."""
     from mxfp8_convert.runtime.hopper.rules import dqmma_config, dqmma_launch
 
-    out = []
-    k_tiles = k // 128
-    for bm, st, one_wave in ((256, 2, False), (256, 2, True), (128, 4, True)):
-        tiles = cdiv(n, 128) * cdiv(m, bm)
-        split = max(1, min(facts.sms // tiles, k_tiles // 4)) if one_wave else 1
-        base = dqmma_config(m, n, k, facts, block_n=128, block_m=bm, stages=st, specialized=True)
-        out.append(dqmma_launch(dataclasses.replace(
-            base, split_k=no_empty_splits(k_tiles, split)), n, k, facts))
-    out.append(dqmma_launch(dqmma_config(m, n, k, facts), n, k, facts))
-    return distinct(out)
+    wide = dqmma_config(m, n, k, facts, block_n=128, block_m=256, stages=2, specialized=True)
+    out = [dataclasses.replace(wide, split_k=1), wide,
+           dqmma_config(m, n, k, facts, block_n=128, block_m=128, stages=4, specialized=True),
+           dqmma_config(m, n, k, facts)]
+    return distinct([dqmma_launch(c, n, k, facts) for c in out])
 
 
 def tokens_sweep(ms: list[int], shapes, out: Path, t0: float, budget: float,

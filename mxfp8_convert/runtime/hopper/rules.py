@@ -516,6 +516,11 @@ def tile_config(m: int, n: int, k: int, facts: DeviceFacts) -> GemmConfig:
     return cfg
 
 
+def _dqmma_block_m(m: int, n: int) -> int:
+    """:func:`dqmma_config`'s default tokens a program."""
+    return 32 if m <= 32 else 64 if m <= 128 else 128 if n <= TUNED.dqmma_narrow_n else 256
+
+
 def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 64,
                  block_m: int = 0, stages: int = 3, waves: float = 0.0,
                  specialized: bool = False) -> GemmConfig:
@@ -527,8 +532,7 @@ def dqmma_config(m: int, n: int, k: int, facts: DeviceFacts, *, block_n: int = 6
     ``dqmma_min_split_tiles`` K-tiles a split, none where the tiles fill ``dqmma_tail_waves`` waves
     (above M = 128: ``dqmma_wide_unsplit_share`` of the SMs) (:data:`TUNED`)."""
     t = TUNED
-    bm = block_m or (32 if m <= 32 else 64 if m <= 128 else
-                     128 if n <= t.dqmma_narrow_n else 256)
+    bm = block_m or _dqmma_block_m(m, n)
     waves = waves or (t.dqmma_waves if m <= 128 else t.dqmma_wide_waves)
     tiles, k_tiles = cdiv(n, block_n) * cdiv(m, bm), k // WGMMA_BLOCK_K
     split = 1
@@ -594,7 +598,7 @@ def specialized_wins(m: int, n: int, k: int, facts: DeviceFacts) -> bool:
     if not t.ws_min_m < m <= t.dqmma_max_m:
         return False
     ws = cdiv(n, 128) * cdiv(m, 256)
-    one = cdiv(n, 64) * cdiv(m, 128 if n <= t.dqmma_narrow_n else 256)
+    one = cdiv(n, 64) * cdiv(m, _dqmma_block_m(m, n))
     return (ws >= t.dqmma_wide_unsplit_share * facts.sms
             and _wave_eff(ws, facts.sms) >= _wave_eff(one, facts.sms) - t.ws_wave_margin)
 
